@@ -1,0 +1,1 @@
+"""Runs mossrt bundles on onnxruntime: codec, TTS generation, streaming sessions. Knows nothing of HTTP."""

@@ -1,0 +1,88 @@
+"""Reading upstream Hugging Face checkpoints: config.json plus single or sharded safetensors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+from safetensors import safe_open
+
+
+class CheckpointError(ValueError):
+    """The checkpoint directory is unusable: missing files, or tensors missing / unexpected / misshapen."""
+
+
+class Checkpoint:
+    """Lazy tensor access over ``model.safetensors`` or ``model.safetensors.index.json`` shards.
+
+    Tensors come back as float32 (bf16/fp16 are widened; ml_dtypes gives numpy its bfloat16). Every
+    name read is recorded, so :meth:`check_all_used` can list tensors the exporter did not map.
+    """
+
+    def __init__(self, directory: str | Path):
+        self.dir = Path(directory)
+        cfg = self.dir / "config.json"
+        if not cfg.is_file():
+            raise CheckpointError(f"{self.dir}: no config.json (expected an upstream Hugging Face checkpoint directory)")
+        self.config = json.loads(cfg.read_text())
+        index = self.dir / "model.safetensors.index.json"
+        single = self.dir / "model.safetensors"
+        if index.is_file():
+            weight_map = json.loads(index.read_text())["weight_map"]
+            self._files = {name: self.dir / shard for name, shard in weight_map.items()}
+        elif single.is_file():
+            with safe_open(single, framework="np") as f:
+                self._files = {name: single for name in f.keys()}
+        else:
+            raise CheckpointError(f"{self.dir}: neither model.safetensors nor model.safetensors.index.json")
+        self._handles: dict[Path, object] = {}
+        self.used: set[str] = set()
+
+    def names(self) -> list[str]:
+        return sorted(self._files)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._files
+
+    def _handle(self, path: Path):
+        if path not in self._handles:
+            self._handles[path] = safe_open(path, framework="np")
+        return self._handles[path]
+
+    def shape(self, name: str) -> list[int]:
+        self._require([name])
+        return list(self._handle(self._files[name]).get_slice(name).get_shape())
+
+    def get(self, name: str, dtype=np.float32) -> np.ndarray:
+        self._require([name])
+        self.used.add(name)
+        array = self._handle(self._files[name]).get_tensor(name)
+        return array.astype(dtype, copy=False) if dtype is not None else array
+
+    def _require(self, names) -> None:
+        missing = [n for n in names if n not in self._files]
+        if missing:
+            raise CheckpointError(f"{self.dir}: missing tensors: {', '.join(missing[:20])}"
+                                  + (f" (+{len(missing) - 20} more)" if len(missing) > 20 else ""))
+
+    def require(self, names) -> None:
+        """Fail with the full list of absent tensors before any graph is written."""
+        self._require(list(names))
+
+    def unused(self, prefixes: tuple[str, ...] = ("",), ignore: tuple[str, ...] = ()) -> list[str]:
+        return [n for n in self.names()
+                if n.startswith(prefixes) and n not in self.used and not n.startswith(ignore)]
+
+    def check_all_used(self, prefixes: tuple[str, ...] = ("",), ignore: tuple[str, ...] = ()) -> None:
+        left = self.unused(prefixes, ignore)
+        if left:
+            raise CheckpointError(f"{self.dir}: unmapped tensors: {', '.join(left[:20])}"
+                                  + (f" (+{len(left) - 20} more)" if len(left) > 20 else ""))
+
+
+def weight_norm(g: np.ndarray, v: np.ndarray) -> np.ndarray:
+    """Fold torch weight_norm (dim=0): ``g * v / ||v||`` with the norm over every axis but 0."""
+    g64, v64 = g.astype(np.float64), v.astype(np.float64)
+    norm = np.sqrt((v64 ** 2).reshape(v64.shape[0], -1).sum(axis=1)).reshape((-1,) + (1,) * (v.ndim - 1))
+    return (g64 * v64 / norm).astype(np.float32)

@@ -1,0 +1,332 @@
+"""MOSS-Audio-Tokenizer → two stateful streaming ONNX step graphs (encoder and decoder).
+
+Both graphs process whole 1920-sample frames and carry each attention layer's sliding-window KV as
+host-owned state: per layer the last ``context - 1`` rotated keys/values of the stage (a ring whose
+slot ``j`` holds position ``p ≡ j (mod C)``), plus the stream's frame position. The new rows of the call
+are attended in the same call and returned, so every query sees exactly its ``context``-token window:
+any chunking equals the one-pass decode (upstream's own streaming does not, past 10 s).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+from onnx import TensorProto
+
+from .checkpoint import Checkpoint, CheckpointError, weight_norm
+from .graph import GraphBuilder
+
+FLOAT, INT64 = TensorProto.FLOAT, TensorProto.INT64
+SAMPLE_RATE = 24000
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    """One causal transformer stage of the codec, as the runtime needs to size its KV rings."""
+
+    module: str           # checkpoint prefix, e.g. "decoder.0"
+    layers: int
+    heads: int
+    head_dim: int
+    d_model: int
+    input_dim: int
+    output_dim: int
+    context: int          # attention window in this stage's tokens
+    tokens_per_frame: int # tokens of this stage per 1920-sample frame
+    max_period: float
+
+    @property
+    def past_rows(self) -> int:
+        return self.context - 1
+
+
+@dataclass(frozen=True)
+class CodecSpec:
+    sample_rate: int
+    samples_per_frame: int
+    num_quantizers: int
+    codebook_size: int
+    codebook_dim: int
+    rvq_dim: int
+    encoder: list
+    decoder: list
+    encoder_patches: list
+    decoder_patches: list
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def parse_codec_config(cfg: dict) -> CodecSpec:
+    """Read the stage lists of an upstream codec ``config.json`` (the decoder list is in execution order)."""
+    hop = int(cfg["downsample_rate"])
+    duration = float(cfg["causal_transformer_context_duration"])
+    rate_hz = int(cfg.get("sampling_rate", cfg.get("sample_rate", SAMPLE_RATE)))
+
+    def stages(modules: list, prefix: str, samples_per_token: float, encoder: bool):
+        out, patches = [], []
+        for idx, m in enumerate(modules):
+            if m["module_type"] == "PatchedPretransform":
+                h = int(m["patch_size"])
+                samples_per_token = samples_per_token * h if encoder else samples_per_token / h
+                patches.append((idx, h))
+            elif m["module_type"] == "Transformer":
+                if m.get("positional_embedding", "rope") != "rope" or m.get("gating", "none") != "none" \
+                        or m.get("norm", "layer_norm") != "layer_norm" or not m.get("causal", True):
+                    raise CheckpointError(f"unsupported codec transformer settings in {prefix}.{idx}: {m}")
+                d, heads = int(m["d_model"]), int(m["num_heads"])
+                out.append(StageSpec(
+                    module=f"{prefix}.{idx}", layers=int(m["num_layers"]), heads=heads, head_dim=d // heads,
+                    d_model=d, input_dim=int(m["input_dimension"]),
+                    output_dim=int(m.get("output_dimension", d)),
+                    context=int(rate_hz / samples_per_token * duration),
+                    tokens_per_frame=int(round(hop / samples_per_token)),
+                    max_period=float(m.get("max_period", 10000)),
+                ))
+            else:
+                raise CheckpointError(f"unknown codec module type {m['module_type']!r}")
+        return out, patches
+
+    enc, enc_patches = stages(cfg["encoder_kwargs"], "encoder", 1.0, True)
+    dec, dec_patches = stages(cfg["decoder_kwargs"], "decoder", float(hop), False)
+    q = cfg["quantizer_kwargs"]
+    if q.get("quantizer_type", cfg.get("quantizer_type")) != "rlfq":
+        raise CheckpointError("only the rlfq quantizer is supported")
+    return CodecSpec(
+        sample_rate=rate_hz, samples_per_frame=hop, num_quantizers=int(q["num_quantizers"]),
+        codebook_size=int(q["codebook_size"]), codebook_dim=int(q["codebook_dim"]), rvq_dim=int(q["rvq_dim"]),
+        encoder=[asdict(s) for s in enc], decoder=[asdict(s) for s in dec],
+        encoder_patches=enc_patches, decoder_patches=dec_patches,
+    )
+
+
+# ---------------------------------------------------------------------------------------------- pieces
+def _wn(ckpt: Checkpoint, prefix: str) -> tuple[np.ndarray, np.ndarray]:
+    """Weight-normed 1x1 Conv1d → (weight [out, in], bias [out])."""
+    w = weight_norm(ckpt.get(f"{prefix}.parametrizations.weight.original0"),
+                    ckpt.get(f"{prefix}.parametrizations.weight.original1"))
+    return w.reshape(w.shape[0], -1), ckpt.get(f"{prefix}.bias")
+
+
+def _patch(gb: GraphBuilder, x: str, h: int, channels: int) -> str:
+    """Encoder patchify, time-major: [B, T, C] → [B, T/h, C*h], channel ``c*h + j`` = input c at ``t*h + j``."""
+    y = gb.op("Reshape", [x, gb.const([0, -1, h, channels], np.int64)])
+    return gb.reshape(gb.transpose(y, [0, 1, 3, 2]), [0, -1, channels * h])
+
+
+def _unpatch(gb: GraphBuilder, x: str, h: int, channels: int) -> str:
+    """Decoder unpatchify (exact inverse): [B, T, C] → [B, T*h, C/h], output ``[t*h + j, c] = x[t, c*h + j]``."""
+    y = gb.reshape(x, [0, 0, channels // h, h])
+    return gb.reshape(gb.transpose(y, [0, 1, 3, 2]), [0, -1, channels // h])
+
+
+def _rope_interleaved(gb: GraphBuilder, x: str, cos: str, sin: str) -> str:
+    """Rotate pairs (x[2i], x[2i+1]) of [B, H, T, D] by angles given as [B, 1, T, D/2, 1] cos/sin."""
+    pairs = gb.reshape(x, [0, 0, 0, -1, 2])
+    re, im = gb.op("Split", [pairs, gb.const([1, 1], np.int64)], n_out=2, axis=-1)
+    out_re = gb.op("Sub", [gb.op("Mul", [re, cos]), gb.op("Mul", [im, sin])])
+    out_im = gb.op("Add", [gb.op("Mul", [re, sin]), gb.op("Mul", [im, cos])])
+    return gb.reshape(gb.concat([out_re, out_im], -1), [0, 0, 0, -1])
+
+
+def _window_bias(gb: GraphBuilder, pos0: str, n_new: str, past_rows: int, context: int) -> str:
+    """Additive attention bias [B, 1, T, C+T] for queries at ``pos0[b] + i`` over the ring and the new rows.
+
+    Ring slot j holds position ``p_j = P - C + ((j - P) mod C)`` (valid when ``p_j >= 0``); a key is
+    visible to a query iff ``0 <= q - k < context``.
+    """
+    C = past_rows
+    P = gb.unsqueeze(pos0, [1])                                               # [B, 1]
+    i = gb.unsqueeze(gb.arange(n_new), [0])                                   # [1, T]
+    q = gb.unsqueeze(gb.op("Add", [P, i]), [2])                               # [B, T, 1]
+    j = gb.const(np.arange(C, dtype=np.int64)[None, :], np.int64)             # [1, C]
+    pj = gb.op("Add", [gb.op("Sub", [P, gb.const(C, np.int64)]),
+                       gb.op("Mod", [gb.op("Sub", [j, P]), gb.const(C, np.int64)], fmod=0)])  # [B, C]
+    pj = gb.unsqueeze(pj, [1])                                                # [B, 1, C]
+    past_ok = gb.op("And", [gb.op("GreaterOrEqual", [pj, gb.const(0, np.int64)]),
+                            gb.op("Less", [gb.op("Sub", [q, pj]), gb.const(context, np.int64)])])
+    k = gb.unsqueeze(gb.arange(n_new), [0])                                   # [1, T]
+    d = gb.op("Sub", [gb.unsqueeze(gb.arange(n_new), [1]), k])                # [T, T]
+    new_ok = gb.op("And", [gb.op("GreaterOrEqual", [d, gb.const(0, np.int64)]),
+                           gb.op("Less", [d, gb.const(context, np.int64)])])
+    new_ok = gb.op("Expand", [gb.unsqueeze(new_ok, [0]),
+                              gb.concat([gb.op("Shape", [pos0]), gb.const([1, 1], np.int64)], 0)])
+    ok = gb.concat([past_ok, new_ok], 2)                                      # [B, T, C+T]
+    bias = gb.op("Where", [ok, gb.const(0.0), gb.const(np.finfo(np.float32).min)])
+    return gb.unsqueeze(bias, [1])
+
+
+def past_names(side: str, stage: int, layer: int) -> tuple[str, str]:
+    return f"{side}.past_key.{stage}.{layer}", f"{side}.past_value.{stage}.{layer}"
+
+
+def _stage(gb: GraphBuilder, ckpt: Checkpoint, x: str, spec: StageSpec, frame_pos: str, side: str,
+           index: int) -> tuple[str, str]:
+    """One ProjectedTransformer over time-major x [B, T, in]; returns (y [B, T, out], present [L,2,B,H,T,Dh])."""
+    p, H, Dh, D = spec.module, spec.heads, spec.head_dim, spec.d_model
+    if f"{p}.input_proj.weight" in ckpt:
+        x = gb.linear(x, ckpt.get(f"{p}.input_proj.weight"), f"{p}.input_proj")
+    elif spec.input_dim != D:
+        raise CheckpointError(f"missing tensor {p}.input_proj.weight")
+    n_new = gb.dim(x, 1)
+    pos0 = gb.op("Mul", [frame_pos, gb.const(spec.tokens_per_frame, np.int64)])
+    bias = _window_bias(gb, pos0, n_new, spec.past_rows, spec.context)
+    # Upstream RoPE (moshi style): freqs = exp(i * -ln(max_period) * 2 / D) and angles pos * freqs in fp32.
+    freqs = np.exp(np.arange(Dh // 2, dtype=np.float32) * np.float32(-math.log(spec.max_period) * 2 / Dh))
+    pos = gb.cast(gb.op("Add", [gb.unsqueeze(pos0, [1]), gb.unsqueeze(gb.arange(n_new), [0])]), FLOAT)  # [B, T]
+    ang = gb.op("Mul", [gb.unsqueeze(pos, [1, 3, 4]), gb.const(freqs.reshape(1, 1, 1, -1, 1))])     # [B,1,T,D/2,1]
+    cos, sin = gb.op("Cos", [ang]), gb.op("Sin", [ang])
+    presents = []
+    for layer in range(spec.layers):
+        lp = f"{p}.transformer.layers.{layer}"
+        h = gb.layer_norm(x, ckpt.get(f"{lp}.norm1.weight"), ckpt.get(f"{lp}.norm1.bias"), f"{lp}.norm1", 1e-5)
+        qkv = gb.linear(h, ckpt.get(f"{lp}.self_attn.in_projs.0.weight"), f"{lp}.self_attn.in_proj")
+        qkv = gb.transpose(gb.reshape(qkv, [0, 0, 3, H, Dh]), [2, 0, 3, 1, 4])   # [3, B, H, T, Dh]
+        q, k, v = (gb.squeeze(t, [0]) for t in gb.op("Split", [qkv, gb.const([1, 1, 1], np.int64)], n_out=3, axis=0))
+        q, k = _rope_interleaved(gb, q, cos, sin), _rope_interleaved(gb, k, cos, sin)
+        pk, pv = past_names(side, index, layer)
+        gb.input(pk, FLOAT, ["batch", H, spec.past_rows, Dh])
+        gb.input(pv, FLOAT, ["batch", H, spec.past_rows, Dh])
+        att = gb.attention(q, gb.concat([pk, k], 2), gb.concat([pv, v], 2), bias, 1.0 / math.sqrt(Dh))
+        att = gb.reshape(gb.transpose(att, [0, 2, 1, 3]), [0, 0, H * Dh])
+        att = gb.linear(att, ckpt.get(f"{lp}.self_attn.out_projs.0.weight"), f"{lp}.self_attn.out_proj")
+        x = gb.op("Add", [x, gb.op("Mul", [att, gb.weight(f"{lp}.layer_scale_1.scale", ckpt.get(f"{lp}.layer_scale_1.scale"))])])
+        h = gb.layer_norm(x, ckpt.get(f"{lp}.norm2.weight"), ckpt.get(f"{lp}.norm2.bias"), f"{lp}.norm2", 1e-5)
+        h = gb.linear(gb.gelu_erf(gb.linear(h, ckpt.get(f"{lp}.linear1.weight"), f"{lp}.linear1")),
+                      ckpt.get(f"{lp}.linear2.weight"), f"{lp}.linear2")
+        x = gb.op("Add", [x, gb.op("Mul", [h, gb.weight(f"{lp}.layer_scale_2.scale", ckpt.get(f"{lp}.layer_scale_2.scale"))])])
+        presents.append(gb.unsqueeze(gb.concat([gb.unsqueeze(k, [0]), gb.unsqueeze(v, [0])], 0), [0]))
+    if f"{p}.output_proj.weight" in ckpt:
+        x = gb.linear(x, ckpt.get(f"{p}.output_proj.weight"), f"{p}.output_proj")
+    elif spec.output_dim != D:
+        raise CheckpointError(f"missing tensor {p}.output_proj.weight")
+    return x, gb.concat(presents, 0)
+
+
+def _dequant_tables(ckpt: Checkpoint, spec: CodecSpec) -> np.ndarray:
+    """``out_proj_i(codebook_i[c])`` for every level and code, stacked: [n_q * codebook_size, rvq_dim]."""
+    tables = []
+    for i in range(spec.num_quantizers):
+        qp = f"quantizer.quantizers.{i}"
+        w, b = _wn(ckpt, f"{qp}.out_proj")
+        tables.append(ckpt.get(f"{qp}.codebook.weight") @ w.T + b)
+    return np.concatenate(tables, 0).astype(np.float32)
+
+
+def _declare_present(gb: GraphBuilder, present: str, side: str, index: int, spec: StageSpec, t_dim: str) -> None:
+    gb.output(present, f"{side}.present.{index}", FLOAT, [spec.layers, 2, "batch", spec.heads, t_dim, spec.head_dim])
+
+
+# ---------------------------------------------------------------------------------------------- graphs
+def build_decoder(ckpt: Checkpoint, spec: CodecSpec, path: Path, weight_dtype) -> GraphBuilder:
+    """codes [B, N, n_q_total] + n_quantizers + frame_pos [B] + ring KV → audio [B, N*1920] + new KV."""
+    gb = GraphBuilder("codec_decoder", path, weight_dtype)
+    nq, K = spec.num_quantizers, spec.codebook_size
+    codes = gb.input("codes", INT64, ["batch", "frames", nq])
+    n_quant = gb.input("n_quantizers", INT64, [])
+    frame_pos = gb.input("frame_pos", INT64, ["batch"])
+    table = gb.weight("quantizer.dequant_table", _dequant_tables(ckpt, spec))
+    idx = gb.op("Add", [codes, gb.const(np.arange(nq, dtype=np.int64) * K, np.int64)])
+    parts = gb.op("Gather", [table, idx], axis=0)                                    # [B, N, nq, rvq]
+    level_on = gb.cast(gb.op("Less", [gb.const(np.arange(nq, dtype=np.int64)[:, None], np.int64), n_quant]), FLOAT)
+    z = gb.op("ReduceSum", [gb.op("Mul", [parts, level_on]), gb.const([2], np.int64)], keepdims=0)
+    w, b = _wn(ckpt, "quantizer.output_proj")
+    x = gb.linear(z, w, "quantizer.output_proj", b)
+    patches = dict(spec.decoder_patches)
+    stages = [StageSpec(**s) for s in spec.decoder]
+    channels, si = None, 0
+    modules = sorted([(int(s.module.split(".")[1]), s) for s in stages] + [(i, h) for i, h in patches.items()],
+                     key=lambda t: t[0])
+    for _, item in modules:
+        if isinstance(item, StageSpec):
+            x, present = _stage(gb, ckpt, x, item, frame_pos, "decoder", si)
+            _declare_present(gb, present, "decoder", si, item, f"tokens{si}")
+            channels, si = item.output_dim, si + 1
+        else:
+            x = _unpatch(gb, x, item, channels)
+            channels //= item
+    audio = gb.reshape(x, [0, -1])
+    gb.output(audio, "audio", FLOAT, ["batch", "samples"])
+    return gb
+
+
+def build_encoder(ckpt: Checkpoint, spec: CodecSpec, path: Path, weight_dtype) -> GraphBuilder:
+    """waveform [B, N*1920] + frame_pos [B] + valid_frames [B] + ring KV → codes [B, N, n_q] + new KV.
+
+    Frames at index >= valid_frames[b] of this call are the zero-padded tail: as upstream, the
+    quantizer sees a zeroed residual there (their codes come from the biases alone).
+    """
+    gb = GraphBuilder("codec_encoder", path, weight_dtype)
+    wave = gb.input("waveform", FLOAT, ["batch", "samples"])
+    frame_pos = gb.input("frame_pos", INT64, ["batch"])
+    valid = gb.input("valid_frames", INT64, ["batch"])
+    x = gb.unsqueeze(wave, [2])                                                       # [B, S, 1]
+    patches = dict(spec.encoder_patches)
+    stages = [StageSpec(**s) for s in spec.encoder]
+    channels, si = 1, 0
+    modules = sorted([(int(s.module.split(".")[1]), s) for s in stages] + [(i, h) for i, h in patches.items()],
+                     key=lambda t: t[0])
+    for _, item in modules:
+        if isinstance(item, StageSpec):
+            x, present = _stage(gb, ckpt, x, item, frame_pos, "encoder", si)
+            _declare_present(gb, present, "encoder", si, item, f"tokens{si}")
+            channels, si = item.output_dim, si + 1
+        else:
+            x = _patch(gb, x, item, channels)
+            channels *= item
+    w, b = _wn(ckpt, "quantizer.input_proj")
+    residual = gb.linear(x, w, "quantizer.input_proj", b)                            # [B, N, rvq]
+    n_frames = gb.dim(residual, 1)
+    keep = gb.op("Less", [gb.unsqueeze(gb.arange(n_frames), [0]), gb.unsqueeze(valid, [1])])
+    keep = gb.unsqueeze(gb.cast(keep, FLOAT), [2])                                   # [B, N, 1]
+    codes = []
+    for i in range(spec.num_quantizers):
+        qp = f"quantizer.quantizers.{i}"
+        residual = gb.op("Mul", [residual, keep])
+        w_in, b_in = _wn(ckpt, f"{qp}.in_proj")
+        u = gb.linear(residual, w_in, f"{qp}.in_proj", b_in)                         # [B, N, cd]
+        book = gb.weight(f"{qp}.codebook", ckpt.get(f"{qp}.codebook.weight"))       # [K, cd]
+        un, bn = _l2_normalize(gb, u), _l2_normalize(gb, book)
+        # -||a - b||^2 expanded as upstream (DAC-style): |a|^2 - 2 a.b + |b|^2, argmin over codes
+        dist = gb.op("Add", [
+            gb.op("Sub", [gb.op("ReduceSum", [gb.op("Mul", [un, un]), gb.const([-1], np.int64)], keepdims=1),
+                          gb.op("Mul", [gb.op("MatMul", [un, gb.transpose(bn, [1, 0])]), gb.const(2.0)])]),
+            gb.op("ReduceSum", [gb.op("Mul", [bn, bn]), gb.const([-1], np.int64)], keepdims=0)])
+        code = gb.op("ArgMin", [dist], axis=-1, keepdims=1)                          # [B, N, 1]
+        codes.append(code)
+        w_out, b_out = _wn(ckpt, f"{qp}.out_proj")
+        table = gb.weight(f"{qp}.dequant_table", ckpt.get(f"{qp}.codebook.weight") @ w_out.T + b_out)
+        residual = gb.op("Sub", [residual, gb.op("Gather", [table, gb.squeeze(code, [2])], axis=0)])
+    gb.output(gb.concat(codes, 2), "codes", INT64, ["batch", "frames", spec.num_quantizers])
+    return gb
+
+
+def _l2_normalize(gb: GraphBuilder, x: str) -> str:
+    """``F.normalize``: x / max(||x||_2, 1e-12) over the last axis."""
+    norm = gb.op("Sqrt", [gb.op("ReduceSum", [gb.op("Mul", [x, x]), gb.const([-1], np.int64)], keepdims=1)])
+    return gb.op("Div", [x, gb.op("Max", [norm, gb.const(1e-12)])])
+
+
+def codec_tensor_names(spec: CodecSpec, ckpt: Checkpoint) -> list[str]:
+    """Every tensor the exporter reads, to fail early with the complete list of missing ones."""
+    names = []
+    for s in [StageSpec(**d) for d in spec.encoder + spec.decoder]:
+        for layer in range(s.layers):
+            lp = f"{s.module}.transformer.layers.{layer}"
+            names += [f"{lp}.{n}" for n in ("self_attn.in_projs.0.weight", "self_attn.out_projs.0.weight",
+                                              "linear1.weight", "linear2.weight", "norm1.weight", "norm1.bias",
+                                              "norm2.weight", "norm2.bias", "layer_scale_1.scale",
+                                              "layer_scale_2.scale")]
+        if s.input_dim != s.d_model:
+            names.append(f"{s.module}.input_proj.weight")
+        if s.output_dim != s.d_model:
+            names.append(f"{s.module}.output_proj.weight")
+    wn = lambda p: [f"{p}.bias", f"{p}.parametrizations.weight.original0", f"{p}.parametrizations.weight.original1"]
+    names += wn("quantizer.input_proj") + wn("quantizer.output_proj")
+    for i in range(spec.num_quantizers):
+        qp = f"quantizer.quantizers.{i}"
+        names += wn(f"{qp}.in_proj") + wn(f"{qp}.out_proj") + [f"{qp}.codebook.weight"]
+    return names

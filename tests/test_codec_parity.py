@@ -1,0 +1,120 @@
+"""Codec parity with the upstream PyTorch goldens (set-a)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from conftest import golden, tolerance
+
+SHORT, LONG = "codec/codec_short.npz", "codec/codec_long.npz"
+
+
+@pytest.mark.parametrize("clip", [SHORT, LONG])
+def test_encode_codes_identical(codec, clip):
+    g = golden(clip)
+    codes = codec.encode(g["wav"], 24000)
+    assert codes.dtype == np.int64
+    assert codes.shape == g["enc_codes"].T.shape  # ceil(N / 1920) frames, all 32 quantizers
+    np.testing.assert_array_equal(codes, g["enc_codes"].T)
+
+
+def test_encode_chunking_is_exact(codec):
+    g = golden(LONG)
+    np.testing.assert_array_equal(codec.encode(g["wav"], 24000, chunk_frames=7), g["enc_codes"].T)
+
+
+@pytest.mark.parametrize("nq,key", [(32, "dec32_audio"), (16, "dec16_audio"), (8, "dec8_audio")])
+def test_one_pass_decode(codec, nq, key):
+    g = golden(SHORT)
+    audio = codec.decode(g["enc_codes"].T, n_quantizers=nq)
+    ref = g[key]
+    assert audio.shape == ref.shape
+    assert np.abs(audio - ref).max() <= tolerance(ref)
+
+
+def test_long_one_pass_decode(codec):
+    g = golden(LONG)
+    audio = codec.decode(g["enc_codes"].T[:, :16])
+    ref = g["dec16_audio"]
+    assert audio.shape == ref.shape
+    assert np.abs(audio - ref).max() <= tolerance(ref)
+
+
+def _schedule_sizes(name: str, total: int) -> list[int]:
+    if name.startswith("every"):
+        n = int(name[5:])
+        return [n] * (total // n) + ([total % n] if total % n else [])
+    if name == "irregular":
+        pattern, out = [1, 2, 7, 1, 5, 3, 11], []
+        while sum(out) < total:
+            out.append(min(pattern[len(out) % len(pattern)], total - sum(out)))
+        return out
+    if name == "straddle125":  # one chunk covering frames 120..131: crosses the 125-frame window
+        return [60, 60, 12] + [total - 132]
+    raise ValueError(name)
+
+
+@pytest.mark.parametrize("clip", [SHORT, LONG])
+@pytest.mark.parametrize("schedule", ["every1", "every3", "every6", "every8", "irregular", "straddle125"])
+def test_streaming_equals_one_pass(codec, clip, schedule):
+    g = golden(clip)
+    codes = g["enc_codes"].T[:, :16]
+    if schedule == "straddle125" and codes.shape[0] <= 132:
+        pytest.skip("clip shorter than the straddling schedule")
+    ref = g["dec16_audio"]
+    dec = codec.streaming_decoder(batch_size=1, n_quantizers=16)
+    pieces, f = [], 0
+    for n in _schedule_sizes(schedule, codes.shape[0]):
+        piece = dec.decode(codes[f:f + n])
+        assert piece.shape == (n * 1920,)  # audio for exactly these frames, at once
+        pieces.append(piece)
+        f += n
+    audio = np.concatenate(pieces)
+    assert np.abs(audio - ref).max() <= tolerance(ref)
+
+
+def test_upstream_streaming_drift_is_not_reproduced(codec):
+    """Upstream frame-by-frame streaming drifts after the 10 s window; ours stays on the one-pass decode."""
+    g = golden(LONG)
+    ref, upstream = g["dec16_audio"], g["stream16_frame_audio"]
+    late = slice(125 * 1920, None)
+    assert np.abs(upstream[late] - ref[late]).max() > 2 * tolerance(ref)  # the control can detect drift
+    dec = codec.streaming_decoder(1, 16)
+    audio = np.concatenate([dec.decode(g["enc_codes"].T[f:f + 1, :16]) for f in range(147)])
+    assert np.abs(audio[late] - ref[late]).max() <= tolerance(ref)
+
+
+def test_two_streams_in_one_batch_equal_separate_runs(codec):
+    short, long = golden(SHORT), golden(LONG)
+    a = long["enc_codes"].T[:29, :16]
+    b = short["enc_codes"].T[:, :16]
+    solo_a, solo_b = codec.decode(a, 16), codec.decode(b, 16)
+    dec = codec.streaming_decoder(batch_size=2, n_quantizers=16)
+    out = [dec.decode(np.stack([a[f:f + n], b[f:f + n]])) for f, n in ((0, 1), (1, 3), (4, 6), (10, 19))]
+    audio = np.concatenate(out, axis=1)
+    np.testing.assert_allclose(audio[0], solo_a, atol=tolerance(solo_a), rtol=0)
+    np.testing.assert_allclose(audio[1], solo_b, atol=tolerance(solo_b), rtol=0)
+
+
+def test_streams_at_different_positions(codec):
+    """Resetting one stream of a batch leaves the other untouched; each still equals its solo decode."""
+    g = golden(LONG)
+    codes = g["enc_codes"].T[:, :16]
+    dec = codec.streaming_decoder(batch_size=2, n_quantizers=16)
+    first = dec.decode(np.stack([codes[0:5], codes[0:5]]))
+    dec.reset(1)
+    second = dec.decode(np.stack([codes[5:10], codes[0:5]]))
+    assert list(dec.frame_positions) == [10, 5]
+    solo = codec.decode(codes[:10], 16)
+    np.testing.assert_allclose(np.concatenate([first[0], second[0]]), solo, atol=tolerance(solo), rtol=0)
+    np.testing.assert_array_equal(second[1], first[1])
+
+
+def test_reset_gives_identical_audio(codec):
+    codes = golden(SHORT)["enc_codes"].T[:, :16]
+    dec = codec.streaming_decoder(1, 16)
+    once = np.concatenate([dec.decode(codes[f:f + 3]) for f in range(0, 29, 3)])
+    dec.reset()
+    twice = np.concatenate([dec.decode(codes[f:f + 3]) for f in range(0, 29, 3)])
+    np.testing.assert_array_equal(once, twice)
