@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -36,6 +38,10 @@ class Codec:
         if not isinstance(n_quantizers, (int, np.integer)) or not 1 <= n_quantizers <= self.num_quantizers:
             raise InputError(f"n_quantizers must be an integer in 1..{self.num_quantizers}, got {n_quantizers!r}")
         return int(n_quantizers)
+
+    def default_n_quantizers(self, codes: np.ndarray) -> int:
+        """All levels the codes carry (at most the codec's); rank errors are reported by check_codes."""
+        return max(1, min(codes.shape[-1], self.num_quantizers)) if codes.ndim else 1
 
     def check_codes(self, codes, n_quantizers: int, batched: bool = False) -> np.ndarray:
         """Validate codes ``[frames, K]`` (``[batch, frames, K]`` when batched), K >= n_quantizers, and
@@ -121,14 +127,30 @@ class Codec:
     def decode(self, codes, n_quantizers: int | None = None, max_frames_per_call: int = MAX_FRAMES_PER_CALL) -> np.ndarray:
         """Codes ``[frames, K]`` → waveform ``[frames * 1920]`` float32 using the first n_quantizers (default K)."""
         arr = np.asarray(codes)
-        if n_quantizers is None:
-            n_quantizers = min(arr.shape[-1], self.num_quantizers) if arr.ndim else 0
-        nq = self.check_n_quantizers(n_quantizers)
+        nq = self.check_n_quantizers(self.default_n_quantizers(arr) if n_quantizers is None else n_quantizers)
         checked = self.check_codes(arr, nq)
         dec = self.streaming_decoder(1, nq)
         parts = [dec.decode_checked(checked[:, i:i + max_frames_per_call])
                  for i in range(0, checked.shape[1], max_frames_per_call)]
         return np.concatenate(parts, 1)[0]
+
+
+@dataclass
+class CallTiming:
+    """Wall time of graph calls, split into time inside ``session.run`` and host time around it."""
+
+    calls: int = 0
+    total_s: float = 0.0
+    run_s: float = 0.0
+
+    def add(self, total: float, run: float) -> None:
+        self.calls += 1
+        self.total_s += total
+        self.run_s += run
+
+    @property
+    def host_share(self) -> float:
+        return (self.total_s - self.run_s) / self.total_s if self.total_s else 0.0
 
 
 class StreamingDecoder:
@@ -148,6 +170,7 @@ class StreamingDecoder:
         self.state = RingState("decoder", codec.decoder_stages, self.batch_size)
         self._session = codec.bundle.session("codec_decoder")
         self._nq = np.array(self.n_quantizers, np.int64)
+        self.timing = CallTiming()
         # One binding for the decoder's life: the rings are bound once, only codes/positions per call.
         self._binding = self._session.io_binding()
         self.state.bind(self._binding)
@@ -175,13 +198,17 @@ class StreamingDecoder:
 
     def decode_checked(self, codes: np.ndarray) -> np.ndarray:
         """Hot path: ``codes`` already validated int64 ``[batch, N, num_quantizers]``."""
+        t0 = time.perf_counter()
         binding = self._binding
         binding.bind_cpu_input("codes", codes)
         for name in ["audio"] + self.state.output_names():
             binding.bind_output(name, "cpu")
+        t1 = time.perf_counter()
         self._session.run_with_iobinding(binding)
+        t2 = time.perf_counter()
         audio, *presents = [v.numpy() for v in binding.get_outputs()]
         self.state.advance(presents, codes.shape[1])
+        self.timing.add(time.perf_counter() - t0, t2 - t1)
         return audio
 
     def reset(self, index: int | None = None) -> None:

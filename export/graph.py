@@ -40,6 +40,20 @@ ONNX_TO_NAME = {
 Dim = int | str | None
 
 
+def quantize_int8(array: np.ndarray, axis: int) -> tuple[np.ndarray, np.ndarray]:
+    """Symmetric int8 with one float32 scale per index of ``axis``: ``array ≈ q * scale``.
+
+    ``scale = max|w| / 127`` over every other axis (1 where a channel is all zeros), ``q = rint(w / scale)``.
+    """
+    array = np.asarray(array, dtype=np.float32)
+    axis = axis % array.ndim
+    others = tuple(i for i in range(array.ndim) if i != axis)
+    amax = np.abs(array).max(axis=others, keepdims=True)
+    scale = np.where(amax > 0, amax / np.float32(127.0), np.float32(1.0)).astype(np.float32)
+    q = np.clip(np.rint(array / scale), -127, 127).astype(np.int8)
+    return q, scale.reshape(-1)
+
+
 class WeightFile:
     """Appends tensors to one external-data file and hands back TensorProtos that point into it."""
 
@@ -104,15 +118,47 @@ class GraphBuilder:
         self.outputs.append(helper.make_tensor_value_info(name, dtype, list(shape)))
         return name
 
-    def weight(self, name: str, array: np.ndarray) -> str:
-        """A large float weight, stored in ``weight_dtype`` in the external data file, float32 in the graph."""
+    def weight(self, name: str, array: np.ndarray, channel_axis: int = -1) -> str:
+        """A large float weight, stored in ``weight_dtype`` in the external data file, float32 in the graph.
+
+        With ``weight_dtype`` int8 the weight is stored as symmetric int8 with one float32 scale per index
+        of ``channel_axis`` (the output channel of a ``[in, out]`` matmul weight by default) and widened
+        by a per-axis ``DequantizeLinear``.
+        """
         array = np.asarray(array, dtype=np.float32)
         # vectors (norm weights, biases, layer scales) stay float32: tiny, and precision-sensitive
         if self.weight_dtype == np.float32 or array.ndim < 2:
             self.initializers.append(self._weights.add(name, array))
             return name
+        if self.weight_dtype == np.int8:
+            axis = channel_axis % array.ndim
+            q, scale = quantize_int8(array, axis)
+            self.initializers.append(self._weights.add(name + ".q", q))
+            self.initializers.append(self._weights.add(name + ".scale", scale))
+            return self.op("DequantizeLinear", [name + ".q", name + ".scale"], out=name, axis=axis)
         self.initializers.append(self._weights.add(name + ".stored", array.astype(self.weight_dtype)))
         return self.op("Cast", [name + ".stored"], out=name, to=TensorProto.FLOAT)
+
+    def matmul_weight(self, weight: np.ndarray, name: str) -> str:
+        """Store a torch-layout ``[out, in]`` linear weight once as ``[in, out]``; use with :meth:`matmul`.
+
+        For weights read by several nodes (an unrolled loop) where :meth:`linear` would store copies.
+        """
+        return self.weight(name + ".weight_t", np.asarray(weight).T, channel_axis=1)
+
+    def matmul(self, x: str, weight_t: str) -> str:
+        return self.op("MatMul", [x, weight_t])
+
+    def embedding(self, ids: str, table: np.ndarray, name: str) -> str:
+        """Rows ``table[ids]`` as float32. Rows are gathered in storage type and widened afterwards, so a
+        large table is never widened whole. Storage: ``weight_dtype``, except int8 builds keep tables in
+        float16 (int8 is for matmul weights only)."""
+        table = np.asarray(table)
+        if self.weight_dtype == np.float32:
+            return self.op("Gather", [self.tensor(name + ".weight", table.astype(np.float32, copy=False)), ids], axis=0)
+        store = np.float16 if self.weight_dtype == np.int8 else self.weight_dtype
+        rows = self.op("Gather", [self.tensor(name + ".stored", table.astype(store)), ids], axis=0)
+        return self.cast(rows, TensorProto.FLOAT)
 
     def tensor(self, name: str, array: np.ndarray) -> str:
         """A tensor kept exactly as given (tables, int data) in the external data file."""
@@ -155,6 +201,27 @@ class GraphBuilder:
         var = self.op("ReduceMean", [self.op("Mul", [x, x]), self.const([-1], np.int64)], keepdims=1)
         inv = self.op("Reciprocal", [self.op("Sqrt", [self.op("Add", [var, self.const(eps)])])])
         return self.op("Mul", [self.weight(name + ".weight", weight), self.op("Mul", [x, inv])])
+
+    def rms_norm_named(self, x: str, weight: str, eps: float) -> str:
+        """:meth:`rms_norm` with an already-added weight (shared by several nodes)."""
+        var = self.op("ReduceMean", [self.op("Mul", [x, x]), self.const([-1], np.int64)], keepdims=1)
+        inv = self.op("Reciprocal", [self.op("Sqrt", [self.op("Add", [var, self.const(eps)])])])
+        return self.op("Mul", [weight, self.op("Mul", [x, inv])])
+
+    def rope_cos_sin(self, positions: str, inv_freq: np.ndarray) -> tuple[str, str]:
+        """Rotate-half RoPE tables for float32 positions ``[...]``: cos/sin ``[..., D]`` of
+        ``cat(pos * inv_freq, pos * inv_freq)`` (the Hugging Face layout)."""
+        inv = np.asarray(inv_freq, dtype=np.float32)
+        ang = self.op("Mul", [self.unsqueeze(positions, [-1]), self.const(inv)])
+        emb = self.concat([ang, ang], -1)
+        return self.op("Cos", [emb]), self.op("Sin", [emb])
+
+    def rope_rotate_half(self, x: str, cos: str, sin: str) -> str:
+        """``x * cos + rotate_half(x) * sin`` with ``rotate_half(x) = cat(-x2, x1)`` over the last axis
+        (halves, not interleaved pairs); cos/sin broadcast against x."""
+        x1, x2 = self.op("Split", [x], n_out=2, axis=-1, num_outputs=2)
+        rot = self.concat([self.op("Neg", [x2]), x1], -1)
+        return self.op("Add", [self.op("Mul", [x, cos]), self.op("Mul", [rot, sin])])
 
     def gelu_erf(self, x: str) -> str:
         """Exact GELU: ``0.5 x (1 + erf(x / sqrt 2))``."""
