@@ -63,3 +63,78 @@ def format_codec_report(r: dict) -> str:
     lines.append(f"  encode                   {r['encode_ms_per_frame']:9.2f} ms/frame")
     lines.append(f"  KV state per stream      {r['kv_bytes_per_stream']:,} bytes")
     return "\n".join(lines)
+
+
+BENCH_TEXT = ("Welcome to the world of MOSS TTS Realtime. Experience how text transforms into smooth, "
+              "human-like speech in real time.")
+
+
+def peak_rss_bytes() -> int:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def bench_synth(model, frames: int = 16, repeats: int = 3, seed: int = 0) -> dict:
+    """Per-frame cost of each stage of offline synthesis (median over repeats, first run is warm-up):
+    backbone prefill per prompt row, backbone step, depth loop, codec (1 frame per call), the real-time
+    factor of their sum, the host share (wall time outside ``session.run``) and peak RSS."""
+    import time as _time
+
+    from .generate import generate_frames, playable_prefix
+
+    ids = model.tokenizer.encode(BENCH_TEXT)
+    params = model.default_sampling()
+    runs = []
+    for rep in range(repeats + 1):
+        model.backbone_timing.__init__()
+        model.depth_timing.__init__()
+        gen = generate_frames(model, ids, None, params, seed, max_frames=frames)
+        t0 = _time.perf_counter()
+        first = next(gen)
+        prefill_rows = model.prompt.tts_prompt().shape[0] + min(len(ids), model.ids.prefill_text_tokens)
+        prefill_s = model.backbone_timing.total_s
+        prefill_run = model.backbone_timing.run_s
+        depth_first_run = model.depth_timing.run_s
+        t1 = _time.perf_counter()
+        produced = [first] + list(gen)
+        loop_s = _time.perf_counter() - t1
+        steps = len(produced) - 1
+        codes = playable_prefix(np.stack(produced).astype(np.int64), model.codec.codebook_size)
+        dec = model.codec.streaming_decoder(1, model.ids.rvq)
+        tc = _time.perf_counter()
+        for f in range(codes.shape[0]):
+            dec.decode_checked(model.codec.check_codes(codes[f:f + 1], model.ids.rvq))
+        codec_s = _time.perf_counter() - tc
+        inside = (model.backbone_timing.run_s - prefill_run) + (model.depth_timing.run_s - depth_first_run)
+        runs.append({
+            "prefill_ms_per_row": 1000 * prefill_s / prefill_rows,
+            "prefill_rows": prefill_rows,
+            "first_frame_ms": 1000 * (t1 - t0),
+            "backbone_step_ms": 1000 * (model.backbone_timing.total_s - prefill_s) / max(steps, 1),
+            "depth_ms": 1000 * model.depth_timing.total_s / len(produced),
+            "codec_ms": 1000 * codec_s / max(codes.shape[0], 1),
+            "frame_ms": 1000 * loop_s / max(steps, 1),
+            "host_share": (loop_s - inside) / loop_s if loop_s else 0.0,
+        })
+    med = {k: statistics.median(r[k] for r in runs[1:]) for k in runs[0]}
+    frame_s = model.codec.samples_per_frame / model.codec.sample_rate
+    med["rtf"] = (med["frame_ms"] + med["codec_ms"]) / (1000 * frame_s)
+    med.update(frames=frames, repeats=repeats, device=model.bundle.device, peak_rss_bytes=peak_rss_bytes(),
+               tts_dtype=model.bundle.manifest["tts"].get("dtype"), codec_dtype=model.bundle.manifest["codec"].get("dtype"))
+    return med
+
+
+def format_synth_report(r: dict) -> str:
+    return "\n".join([
+        f"synth bench: {r['frames']} frames, median of {r['repeats']} (after a warm-up run), device {r['device']}, "
+        f"tts {r['tts_dtype']}, codec {r['codec_dtype']}",
+        f"  backbone prefill        {r['prefill_ms_per_row']:9.2f} ms/row  ({r['prefill_rows']} rows)",
+        f"  first frame (prefill + depth) {r['first_frame_ms']:9.1f} ms",
+        f"  backbone step           {r['backbone_step_ms']:9.2f} ms/frame",
+        f"  depth loop (16 codes)   {r['depth_ms']:9.2f} ms/frame",
+        f"  TTS frame interval      {r['frame_ms']:9.2f} ms/frame   host {100 * r['host_share']:.1f}%",
+        f"  codec (1 frame/call)    {r['codec_ms']:9.2f} ms/frame",
+        f"  real-time factor        {r['rtf']:9.3f}   (TTS frame + codec per 80 ms of audio)",
+        f"  peak RSS                {r['peak_rss_bytes'] / 2**30:9.2f} GiB",
+    ])

@@ -7,18 +7,27 @@ from pathlib import Path
 
 from .bundle import BundleWriter
 from .codec_export import export_codec
-from .random_checkpoint import make_codec_checkpoint
+from .random_checkpoint import make_codec_checkpoint, make_tts_checkpoint
+from .tokenizer_export import export_tokenizer
+from .tts_export import export_tts
 
 DEMO_SEED = 20261129
+# The MOSS-TTS-Realtime tokenizer (Qwen3 BPE with <|audio_pad|>/<|text_pad|> renamed), shipped so the
+# demo needs no download.
+TOKENIZER_JSON = Path(__file__).parent / "data" / "tokenizer.json"
 
 
 def build_demo_bundle(out_dir: str | Path, seed: int = DEMO_SEED, progress=lambda msg: None) -> Path:
-    """Write (deterministically from ``seed``) a demo bundle, labelled ``"demo": true`` in its manifest."""
+    """Write (deterministically from ``seed``) a complete demo bundle — codec, TTS graphs, tokenizer —
+    labelled ``"demo"`` in its manifest."""
     out = Path(out_dir)
     with tempfile.TemporaryDirectory() as tmp:
-        ckpt = make_codec_checkpoint(Path(tmp) / "codec", seed=seed, preset="tiny")
+        codec = make_codec_checkpoint(Path(tmp) / "codec", seed=seed, preset="tiny")
+        tts = make_tts_checkpoint(Path(tmp) / "tts", seed=seed + 1, preset="tiny")
         writer = BundleWriter(out)
-        export_codec(ckpt, writer, progress=progress)
+        export_codec(codec, writer, progress=progress)
+        export_tts(tts, writer, "fp32", progress)
+        export_tokenizer(TOKENIZER_JSON, writer)
         writer.set_section("demo", {"seed": seed, "note": "random weights: the audio is noise, not speech"})
         writer.finish()
     return out

@@ -39,18 +39,26 @@ ONNX_TO_NAME = {
 
 Dim = int | str | None
 
+# int8 matmul weights (com.microsoft.MatMulNBits, bits=8): K is split in blocks of this size, each with the
+# weight row's scale; accuracy_level 4 lets the CPU kernel quantize activations per block to int8 (MLAS has
+# no fast float32-compute path for 8-bit weights: level 1 dequantizes the whole weight every call); the
+# CUDA kernel computes in the activation type regardless.
+INT8_BLOCK = 32
+INT8_ACCURACY_LEVEL = 4
+
 
 def quantize_int8(array: np.ndarray, axis: int) -> tuple[np.ndarray, np.ndarray]:
     """Symmetric int8 with one float32 scale per index of ``axis``: ``array ≈ q * scale``.
 
-    ``scale = max|w| / 127`` over every other axis (1 where a channel is all zeros), ``q = rint(w / scale)``.
+    ``scale = max|w| / 127`` over every other axis, ``q = rint(w / scale)``; an all-zero channel gets
+    scale 0 and q 0 (so kernels that fold activation sums with the scale still give exactly 0).
     """
     array = np.asarray(array, dtype=np.float32)
     axis = axis % array.ndim
     others = tuple(i for i in range(array.ndim) if i != axis)
-    amax = np.abs(array).max(axis=others, keepdims=True)
-    scale = np.where(amax > 0, amax / np.float32(127.0), np.float32(1.0)).astype(np.float32)
-    q = np.clip(np.rint(array / scale), -127, 127).astype(np.int8)
+    scale = (np.abs(array).max(axis=others, keepdims=True) / np.float32(127.0)).astype(np.float32)
+    q = np.divide(array, scale, out=np.zeros_like(array), where=scale > 0)
+    q = np.clip(np.rint(q), -127, 127).astype(np.int8)
     return q, scale.reshape(-1)
 
 
@@ -68,7 +76,7 @@ class WeightFile:
         if pad:
             self._fh.write(b"\0" * pad)
             self._offset += pad
-        data = array.tobytes()
+        data = array.reshape(-1).view(np.uint8)   # the array's own bytes: no copy of a multi-GB table
         self._fh.write(data)
         tensor = TensorProto()
         tensor.name = name
@@ -89,13 +97,18 @@ class GraphBuilder:
     """Builds one ONNX graph. Op helpers return output names; weights go to the external data file.
 
     ``weight_dtype`` is the storage type of large float weights: with float16 they are stored half-size
-    and cast to float32 inside the graph (activations, norms, softmax and RoPE stay float32).
+    and cast to float32 inside the graph (activations, norms, softmax and RoPE stay float32); with int8
+    they are symmetric per-channel int8 (see :meth:`weight` and :meth:`matmul_weight`).
     """
 
-    def __init__(self, name: str, path: Path, weight_dtype: np.dtype = np.dtype(np.float32)):
+    def __init__(self, name: str, path: Path, weight_dtype: np.dtype = np.dtype(np.float32),
+                 int8_block_size: int = INT8_BLOCK, int8_accuracy_level: int = INT8_ACCURACY_LEVEL):
         self.name = name
         self.path = Path(path)
         self.weight_dtype = np.dtype(weight_dtype)
+        self.int8_block_size = int8_block_size
+        self.int8_accuracy_level = int8_accuracy_level
+        self._nbits: dict[str, tuple[int, int]] = {}   # matmul_weight name → (K, N) of a MatMulNBits weight
         self.nodes: list[onnx.NodeProto] = []
         self.initializers: list[TensorProto] = []
         self.inputs: list[onnx.ValueInfoProto] = []
@@ -140,14 +153,36 @@ class GraphBuilder:
         return self.op("Cast", [name + ".stored"], out=name, to=TensorProto.FLOAT)
 
     def matmul_weight(self, weight: np.ndarray, name: str) -> str:
-        """Store a torch-layout ``[out, in]`` linear weight once as ``[in, out]``; use with :meth:`matmul`.
+        """Store a torch-layout ``[out, in]`` linear weight once; returns a handle for :meth:`matmul`.
 
         For weights read by several nodes (an unrolled loop) where :meth:`linear` would store copies.
+        float32/float16: the ``[in, out]`` transpose (float16 widened by a Cast). int8: symmetric int8
+        with one scale per output channel, stored in the ``com.microsoft.MatMulNBits`` 8-bit layout so the
+        matmul reads the int8 weight directly (one packed initializer can feed many nodes; a shared
+        DequantizeLinear would be duplicated per consumer and re-run every call by onnxruntime).
         """
-        return self.weight(name + ".weight_t", np.asarray(weight).T, channel_axis=1)
+        weight = np.asarray(weight)
+        if self.weight_dtype != np.int8:
+            return self.weight(name + ".weight_t", weight.T, channel_axis=1)
+        n, k = weight.shape
+        q, scale = quantize_int8(weight, 0)                                     # per output row
+        bs = self.int8_block_size
+        blocks = -(-k // bs)
+        packed = np.full((n, blocks * bs), 128, dtype=np.uint8)                 # zero point 128 = 0
+        packed[:, :k] = (q.astype(np.int16) + 128).astype(np.uint8)
+        self.tensor(name + ".q8", packed.reshape(n, blocks, bs))
+        self.tensor(name + ".q8_scale", np.repeat(scale, blocks).astype(np.float32))
+        self._nbits[name] = (k, n)
+        return name
 
-    def matmul(self, x: str, weight_t: str) -> str:
-        return self.op("MatMul", [x, weight_t])
+    def matmul(self, x: str, weight: str) -> str:
+        """``x @ W^T`` for a :meth:`matmul_weight` handle (MatMulNBits for int8 weights)."""
+        if weight not in self._nbits:
+            return self.op("MatMul", [x, weight])
+        k, n = self._nbits[weight]
+        return self.op("MatMulNBits", [x, weight + ".q8", weight + ".q8_scale"], domain="com.microsoft",
+                       K=k, N=n, bits=8, block_size=self.int8_block_size,
+                       accuracy_level=self.int8_accuracy_level)
 
     def embedding(self, ids: str, table: np.ndarray, name: str) -> str:
         """Rows ``table[ids]`` as float32. Rows are gathered in storage type and widened afterwards, so a
@@ -268,9 +303,12 @@ class GraphBuilder:
     def save(self, doc: str = "") -> onnx.ModelProto:
         self._weights.close()
         graph = helper.make_graph(self.nodes, self.name, self.inputs, self.outputs, self.initializers)
+        opsets = [helper.make_opsetid("", OPSET)]
+        if any(n.domain == "com.microsoft" for n in self.nodes):
+            opsets.append(helper.make_opsetid("com.microsoft", 1))
         model = helper.make_model(
             graph,
-            opset_imports=[helper.make_opsetid("", OPSET)],
+            opset_imports=opsets,
             producer_name="mossrt-export",
             doc_string=doc,
         )

@@ -159,3 +159,85 @@ def make_codec_checkpoint(out_dir: str | Path, seed: int = 0, preset: str = "rea
     """A random codec checkpoint: ``real`` dimensions (~7 GB, benchmarks) or ``tiny`` (demo bundle)."""
     config = {"real": real_codec_config, "tiny": tiny_codec_config}[preset]()
     return write_checkpoint(out_dir, config, codec_tensors(config, np.random.default_rng(seed)), progress)
+
+
+# ---------------------------------------------------------------------------------------------- TTS
+def _qwen3(hidden: int, layers: int, heads: int, kv_heads: int, head_dim: int, ff: int, **extra) -> dict:
+    return {"hidden_size": hidden, "num_hidden_layers": layers, "num_attention_heads": heads,
+            "num_key_value_heads": kv_heads, "head_dim": head_dim, "intermediate_size": ff,
+            "hidden_act": "silu", "rms_norm_eps": 1e-6, "attention_bias": False, "use_sliding_window": False,
+            "layer_types": ["full_attention"] * layers, **extra}
+
+
+def tts_config(preset: str = "real") -> dict:
+    """``MossTTSRealtime`` config: ``real`` (Qwen3-1.7B backbone, 4-layer local) or ``tiny`` (hidden 32)."""
+    dims = {"real": dict(hidden=2048, layers=28, heads=16, kv_heads=8, head_dim=128, ff=6144),
+            "tiny": dict(hidden=32, layers=2, heads=4, kv_heads=2, head_dim=8, ff=96)}[preset]
+    local = dict(dims, layers=4)
+    return {
+        "architectures": ["MossTTSRealtime"], "model_type": "moss_tts_realtime",
+        "audio_pad_token": 1024, "audio_vocab_size": 1027, "rvq": 16,
+        "reference_audio_pad": 151654, "text_pad": 151655, "dtype": "float32",
+        "language_config": _qwen3(**dims, model_type="qwen3", vocab_size=151936, max_position_embeddings=40960,
+                                  rope_parameters={"rope_type": "default", "rope_theta": 1000000},
+                                  bos_token_id=151643, eos_token_id=151645, pad_token_id=None),
+        "local_config": _qwen3(**local, model_type="moss_tts_realtime_local_transformer", rvq=16,
+                               audio_vocab_size=1027, audio_pad_token=1024, pad_token_id=1024,
+                               max_position_embeddings=33,
+                               rope_parameters={"rope_type": "linear", "factor": 1.0, "rope_theta": 1000000}),
+    }
+
+
+def tts_tensors(config: dict, rng: np.random.Generator) -> Iterator[tuple[str, np.ndarray]]:
+    """Random tensors with the upstream names. Head rows of the pad/BOS/EOS ids are zero (as in the real
+    model, where they get negligible mass), so random weights never emit them; generation then runs
+    to its frame limit."""
+    lang, local = config["language_config"], config["local_config"]
+    H, V, A = lang["hidden_size"], lang["vocab_size"], config["audio_vocab_size"]
+    normal = lambda *shape, std=0.02: rng.standard_normal(shape, dtype=np.float32) * std
+
+    def audio_table():
+        t = normal(A, H, std=0.5)
+        t[config["audio_pad_token"]] = 0.0
+        return t
+
+    def layers(prefix: str, cfg: dict):
+        D, hd = cfg["hidden_size"], cfg["head_dim"]
+        q, kv, ff = cfg["num_attention_heads"] * hd, cfg["num_key_value_heads"] * hd, cfg["intermediate_size"]
+        for i in range(cfg["num_hidden_layers"]):
+            p = f"{prefix}.layers.{i}"
+            yield f"{p}.input_layernorm.weight", 1.0 + normal(D)
+            yield f"{p}.self_attn.q_proj.weight", normal(q, D)
+            yield f"{p}.self_attn.k_proj.weight", normal(kv, D)
+            yield f"{p}.self_attn.v_proj.weight", normal(kv, D)
+            yield f"{p}.self_attn.o_proj.weight", normal(D, q)
+            yield f"{p}.self_attn.q_norm.weight", 1.0 + normal(hd)
+            yield f"{p}.self_attn.k_norm.weight", 1.0 + normal(hd)
+            yield f"{p}.post_attention_layernorm.weight", 1.0 + normal(D)
+            yield f"{p}.mlp.gate_proj.weight", normal(ff, D)
+            yield f"{p}.mlp.up_proj.weight", normal(ff, D)
+            yield f"{p}.mlp.down_proj.weight", normal(D, ff)
+        yield f"{prefix}.norm.weight", 1.0 + normal(D)
+
+    yield "embed_tokens.0.weight", normal(V, H, std=1.0)
+    for c in range(1, config["rvq"] + 1):
+        yield f"embed_tokens.{c}.weight", audio_table()
+    yield "language_model.embed_tokens.weight", np.zeros((V, H), np.float32)  # never read upstream
+    yield from layers("language_model", lang)
+    for j in range(config["rvq"] - 1):
+        yield f"local_transformer.model.embed_tokens.{j}.weight", audio_table()
+    yield from layers("local_transformer.model", local)
+    for p in range(config["rvq"]):
+        head = normal(A, H, std=0.5)
+        head[1024:] = 0.0
+        yield f"local_transformer.local_lm_heads.{p}.weight", head
+
+
+def make_tts_checkpoint(out_dir: str | Path, seed: int = 0, preset: str = "real",
+                        tokenizer_json: str | Path | None = None, progress=lambda msg: None) -> Path:
+    """A random TTS checkpoint (``tokenizer_json`` is copied beside it when given)."""
+    config = tts_config(preset)
+    out = write_checkpoint(out_dir, config, tts_tensors(config, np.random.default_rng(seed)), progress)
+    if tokenizer_json is not None:
+        (out / "tokenizer.json").write_bytes(Path(tokenizer_json).read_bytes())
+    return out

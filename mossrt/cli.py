@@ -30,9 +30,11 @@ def cmd_export(args) -> None:
         codec_dtype = args.dtype if args.dtype in ("fp32", "fp16") else "fp32"
         export_codec(args.codec, writer, codec_dtype, _progress)
     if args.model:
+        from export.tokenizer_export import export_tokenizer
         from export.tts_export import export_tts
 
-        export_tts(args.model, writer, args.dtype, _progress, tokenizer_dir=args.tokenizer)
+        export_tts(args.model, writer, args.dtype, _progress)
+        export_tokenizer(args.tokenizer or args.model, writer)
     path = writer.finish()
     _progress(f"bundle written: {path.parent}")
 
@@ -97,27 +99,150 @@ def cmd_codec_decode(args) -> None:
     _progress(f"{wav.size} samples ({wav.size / codec.sample_rate:.2f} s) -> {args.output}")
 
 
+# ---------------------------------------------------------------------------------------------- synth
+def _load_tts(args):
+    from engine.bundle import Bundle
+    from engine.tts import TTSModel
+
+    return TTSModel(Bundle(args.bundle, device=args.device, threads=args.threads))
+
+
+def _sampling(model, args):
+    return model.default_sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                                  repetition_penalty=args.repetition_penalty,
+                                  repetition_window=args.repetition_window, greedy=args.greedy or None)
+
+
+def cmd_synth(args) -> None:
+    from engine.codec import read_audio, write_audio
+    from engine.generate import generate, resolve_voice, synthesize
+
+    model = _load_tts(args)
+    params = _sampling(model, args)
+    if args.voice and args.voice_codes:
+        raise CliError("give --voice or --voice-codes, not both")
+    voice_codes = None
+    if args.voice_codes:
+        try:
+            voice_codes = np.load(args.voice_codes, allow_pickle=False)
+        except Exception as e:
+            raise CliError(f"{args.voice_codes}: not a readable .npy array ({e})") from None
+    voice = resolve_voice(model, read_audio(args.voice) if args.voice else None, voice_codes)
+    gen = generate(model, text=args.text, voice_codes=voice, params=params, seed=args.seed,
+                   max_frames=args.max_frames, max_text_chars=args.max_text_chars)
+    wav = synthesize(model, gen)
+    write_audio(args.out, wav, model.codec.sample_rate)
+    if args.codes_out:
+        np.save(args.codes_out, gen.codes)
+    end = "EOS" if gen.stopped_on_eos else f"the {gen.raw_frames.shape[0]}-frame limit"
+    _progress(f"{gen.codes.shape[0]} frames ({wav.size / model.codec.sample_rate:.2f} s), stopped at {end}, "
+              f"seed {gen.seed} -> {args.out}")
+
+
+def _load_array(path: Path, what: str) -> np.ndarray:
+    try:
+        return np.load(path, allow_pickle=False)
+    except Exception as e:
+        raise CliError(f"{what} {path}: not a readable .npy array ({e})") from None
+
+
+def cmd_replay(args) -> None:
+    """Drive a whole streaming session from a JSON script; write each turn's codes and audio."""
+    from engine.codec import read_audio, write_audio
+    from engine.session import StreamingSession
+
+    script_path = Path(args.script)
+    try:
+        script = json.loads(script_path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise CliError(f"{script_path}: not a readable JSON script ({e})") from None
+    if not isinstance(script, dict) or not isinstance(script.get("turns"), list) or not script["turns"]:
+        raise CliError(f"{script_path}: the script needs a non-empty \"turns\" list")
+    base = script_path.parent
+    model = _load_tts(args)
+    params = _sampling(model, args)
+    voice = None
+    if script.get("voice_codes") and script.get("voice_wav"):
+        raise CliError("give voice_codes or voice_wav, not both")
+    if script.get("voice_codes"):
+        voice = model.prompt.check_voice_codes(_load_array(base / script["voice_codes"], "voice_codes"))
+    elif script.get("voice_wav"):
+        wav, sr = read_audio(base / script["voice_wav"])
+        voice = model.codec.encode(wav, sr)[:, : model.ids.rvq]
+    session = StreamingSession(model, voice_codes=voice, params=params, seed=args.seed,
+                               max_context_rows=args.max_context_rows)
+    out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for i, turn in enumerate(script["turns"]):
+        if not isinstance(turn, dict):
+            raise CliError(f"turn {i}: must be an object")
+        has_deltas, has_ids = "assistant_deltas" in turn, "assistant_token_ids" in turn
+        if has_deltas == has_ids:
+            raise CliError(f"turn {i}: give exactly one of assistant_deltas / assistant_token_ids")
+        user_codes = _load_array(base / turn["user_audio_codes"], "user_audio_codes") \
+            if turn.get("user_audio_codes") else None
+        user_wav = read_audio(base / turn["user_audio_wav"]) if turn.get("user_audio_wav") else None
+        session.begin_turn(user_text=turn.get("user_text") or "", user_audio_codes=user_codes,
+                           user_audio_wav=user_wav, max_frames=args.max_frames)
+        frames = []
+        if has_deltas:
+            for delta in turn["assistant_deltas"]:
+                if not isinstance(delta, str):
+                    raise CliError(f"turn {i}: assistant_deltas must be strings")
+                frames += session.push_text(delta)
+        else:
+            frames += session.push_token_ids(turn["assistant_token_ids"])
+        frames += session.end_text()
+        frames += session.drain()
+        audible = [f for f in frames if not f.eos]
+        codes = np.stack([f.codes for f in audible]) if audible else np.zeros((0, model.ids.rvq), np.int64)
+        wav = np.concatenate([f.audio for f in audible if f.audio is not None] or [np.zeros(0, np.float32)])
+        np.save(out_dir / f"turn{i}_codes.npy", codes.astype(np.int64))
+        write_audio(out_dir / f"turn{i}.wav", wav, model.codec.sample_rate)
+        st = session.stats
+        _progress(f"turn {i}: {st.text_ids} text ids, {codes.shape[0]} frames ({wav.size / model.codec.sample_rate:.2f} s), "
+                  f"finished by {st.finish_reason}, context {session.context_rows} rows")
+    session.close()
+
+
 # ---------------------------------------------------------------------------------------------- bench
+def _report(result: dict, text: str, json_path: str | None) -> None:
+    print(text)
+    if json_path:
+        Path(json_path).write_text(json.dumps(result, indent=1))
+
+
 def cmd_bench_codec(args) -> None:
     from engine.bench import bench_codec, format_codec_report
 
-    codec = _load_codec(args)
-    result = bench_codec(codec, frames=args.frames, repeats=args.repeats)
-    print(format_codec_report(result))
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=1))
+    result = bench_codec(_load_codec(args), frames=args.frames, repeats=args.repeats)
+    _report(result, format_codec_report(result), args.json)
+
+
+def cmd_bench_synth(args) -> None:
+    from engine.bench import bench_synth, format_synth_report
+
+    result = bench_synth(_load_tts(args), frames=args.frames, repeats=args.repeats)
+    _report(result, format_synth_report(result), args.json)
 
 
 # ---------------------------------------------------------------------------------------------- checkpoints
 def cmd_make_checkpoint(args) -> None:
     from export import random_checkpoint
 
+    out = Path(args.out)
     if args.kind == "codec":
-        path = random_checkpoint.make_codec_checkpoint(args.out, seed=args.seed, preset=args.preset,
-                                                       progress=_progress)
-    else:
-        raise CliError(f"unknown checkpoint kind {args.kind!r}")
-    _progress(f"random {args.kind} checkpoint ({args.preset} dimensions, NOT a trained model) -> {path}")
+        paths = [random_checkpoint.make_codec_checkpoint(out, seed=args.seed, preset=args.preset, progress=_progress)]
+    elif args.kind == "tts":
+        paths = [random_checkpoint.make_tts_checkpoint(out, seed=args.seed, preset=args.preset,
+                                                       tokenizer_json=args.tokenizer, progress=_progress)]
+    else:  # pair: <out>/tts and <out>/codec
+        paths = [random_checkpoint.make_tts_checkpoint(out / "tts", seed=args.seed, preset=args.preset,
+                                                       tokenizer_json=args.tokenizer, progress=_progress),
+                 random_checkpoint.make_codec_checkpoint(out / "codec", seed=args.seed + 1, preset=args.preset,
+                                                         progress=_progress)]
+    for path in paths:
+        _progress(f"random checkpoint ({args.preset} dimensions, NOT a trained model) -> {path}")
 
 
 # ---------------------------------------------------------------------------------------------- demo
@@ -165,6 +290,15 @@ def build_parser() -> argparse.ArgumentParser:
                         help="onnxruntime provider (auto: CUDA when installed)")
         sp.add_argument("--threads", type=int, default=None, help="intra-op threads (default: all cores)")
 
+    def sampling_flags(sp):
+        sp.add_argument("--greedy", action="store_true", help="argmax decoding (the repetition penalty still applies)")
+        sp.add_argument("--temperature", type=float, help="default from the bundle (0.8); 0 = greedy")
+        sp.add_argument("--top-k", type=int, help="default 30; 0 = off")
+        sp.add_argument("--top-p", type=float, help="default 0.6; 1 = off")
+        sp.add_argument("--repetition-penalty", type=float, help="default 1.1; 1 = off")
+        sp.add_argument("--repetition-window", type=int, help="default 50 frames")
+        sp.add_argument("--seed", type=int, help="makes sampling reproducible (default: random, printed)")
+
     e = sub.add_parser("export", help="upstream checkpoint(s) -> ONNX bundle")
     e.add_argument("--codec", help="MOSS-Audio-Tokenizer checkpoint directory")
     e.add_argument("--model", help="MOSS-TTS-Realtime checkpoint directory")
@@ -202,6 +336,13 @@ def build_parser() -> argparse.ArgumentParser:
     bc.add_argument("--json", help="also write the results as JSON here")
     runtime_flags(bc)
     bc.set_defaults(func=cmd_bench_codec)
+    bs = bsub.add_parser("synth", help="per-stage cost of offline synthesis")
+    bs.add_argument("--bundle", required=True)
+    bs.add_argument("--frames", type=int, default=16)
+    bs.add_argument("--repeats", type=int, default=3)
+    bs.add_argument("--json", help="also write the results as JSON here")
+    runtime_flags(bs)
+    bs.set_defaults(func=cmd_bench_synth)
 
     d = sub.add_parser("demo", help="build the built-in demo bundle and run the codec on it")
     d.add_argument("--bundle", help="demo bundle directory (default ~/.cache/mossrt/demo-bundle)")
@@ -209,8 +350,32 @@ def build_parser() -> argparse.ArgumentParser:
     runtime_flags(d)
     d.set_defaults(func=cmd_demo)
 
+    sy = sub.add_parser("synth", help="text (+ voice) -> speech, offline")
+    sy.add_argument("--bundle", required=True)
+    sy.add_argument("--text", required=True)
+    sy.add_argument("--out", required=True, help="24 kHz WAV, 32-bit float")
+    sy.add_argument("--voice", help="reference voice audio file (encoded with the bundle's codec)")
+    sy.add_argument("--voice-codes", help="reference voice codes .npy [frames, K >= 16]")
+    sampling_flags(sy)
+    sy.add_argument("--max-frames", type=int, help="frame limit (default: 60 + 10 per text token, at most 3750)")
+    sy.add_argument("--max-text-chars", type=int, default=4000)
+    sy.add_argument("--codes-out", help="also write the codes .npy [frames, 16] int64")
+    runtime_flags(sy)
+    sy.set_defaults(func=cmd_synth)
+
+    rp = sub.add_parser("replay", help="drive a streaming session from a JSON script")
+    rp.add_argument("--bundle", required=True)
+    rp.add_argument("script")
+    rp.add_argument("--out-dir", required=True)
+    sampling_flags(rp)
+    rp.add_argument("--max-frames", type=int, help="frame limit per turn")
+    rp.add_argument("--max-context-rows", type=int, default=8192, help="context limit of the session (rows)")
+    runtime_flags(rp)
+    rp.set_defaults(func=cmd_replay)
+
     m = sub.add_parser("make-checkpoint", help="random-weight checkpoint with real dimensions (benchmarks only)")
-    m.add_argument("kind", choices=["codec"])
+    m.add_argument("kind", choices=["codec", "tts", "pair"], help="pair writes OUT/tts and OUT/codec")
+    m.add_argument("--tokenizer", help="tokenizer.json to copy beside a TTS checkpoint")
     m.add_argument("--out", required=True)
     m.add_argument("--preset", default="real", choices=["real", "tiny"])
     m.add_argument("--seed", type=int, default=0)

@@ -38,3 +38,61 @@ def codec(codec_bundle_dir):
     from engine.codec import Codec
 
     return Codec(Bundle(codec_bundle_dir, device="cpu"))
+
+
+# ---------------------------------------------------------------------------------------------- TTS graphs
+# Bundles of the MOSS-TTS-Realtime graphs (backbone, depth, sampling_filter) from the golden tiny checkpoint.
+TTS_CHECKPOINT = GOLDEN / "checkpoints" / "tts"
+
+
+def _export_tts_bundle(tmp_path_factory, dtype: str) -> Path:
+    from export.bundle import BundleWriter
+    from export.tts_export import export_tts
+
+    out = tmp_path_factory.mktemp(f"bundle_tts_{dtype}")
+    writer = BundleWriter(out)
+    export_tts(TTS_CHECKPOINT, writer, dtype=dtype)
+    writer.finish()
+    return out
+
+
+@pytest.fixture(scope="session")
+def tts_bundle_dir(tmp_path_factory) -> Path:
+    return _export_tts_bundle(tmp_path_factory, "fp32")
+
+
+@pytest.fixture(scope="session")
+def tts_bundle_dir_fp16(tmp_path_factory) -> Path:
+    return _export_tts_bundle(tmp_path_factory, "fp16")
+
+
+@pytest.fixture(scope="session")
+def tts_bundle_dir_int8(tmp_path_factory) -> Path:
+    return _export_tts_bundle(tmp_path_factory, "int8")
+
+
+# ---------------------------------------------------------------------------------------------- full bundle
+# Codec + TTS + tokenizer from the golden checkpoints: what the engine (generation, sessions) runs on.
+@pytest.fixture(scope="session")
+def full_bundle_dir(tmp_path_factory):
+    from export.bundle import BundleWriter
+    from export.codec_export import export_codec
+    from export.demo import TOKENIZER_JSON
+    from export.tokenizer_export import export_tokenizer
+    from export.tts_export import export_tts
+
+    out = tmp_path_factory.mktemp("bundle_full")
+    writer = BundleWriter(out)
+    export_codec(GOLDEN / "checkpoints" / "codec", writer)
+    export_tts(GOLDEN / "checkpoints" / "tts", writer, "fp32")
+    export_tokenizer(TOKENIZER_JSON, writer)
+    writer.finish()
+    return out
+
+
+@pytest.fixture(scope="session")
+def model(full_bundle_dir):
+    from engine.bundle import Bundle
+    from engine.tts import TTSModel
+
+    return TTSModel(Bundle(full_bundle_dir, device="cpu"))

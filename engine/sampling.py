@@ -1,0 +1,74 @@
+"""Sampling settings: validation, defaults from the bundle manifest, and the seeded random source."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from .errors import InputError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampling, applied per codebook in upstream order:
+    repetition penalty → (greedy argmax) | temperature → top-k → top-p → draw.
+
+    ``temperature == 0`` means greedy, as upstream. ``top_k == 0`` and ``top_p == 1`` disable those
+    filters. The penalty applies in greedy mode too, but never to a turn's first frame.
+    """
+
+    temperature: float = 0.8
+    top_p: float = 0.6
+    top_k: int = 30
+    repetition_penalty: float = 1.1
+    repetition_window: int = 50
+    greedy: bool = False
+
+    @classmethod
+    def from_manifest(cls, manifest: dict, **overrides) -> "SamplingParams":
+        defaults = manifest.get("generation", {}).get("sampling_defaults", {})
+        fields = {k: v for k, v in defaults.items() if k in cls.__dataclass_fields__}
+        fields.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**fields).validated()
+
+    def with_(self, **changes) -> "SamplingParams":
+        return replace(self, **{k: v for k, v in changes.items() if v is not None}).validated()
+
+    def validated(self) -> "SamplingParams":
+        def num(name, value):
+            if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)) \
+                    or not np.isfinite(value):
+                raise InputError(f"{name} must be a finite number, got {value!r}")
+        for name in ("temperature", "top_p", "repetition_penalty"):
+            num(name, getattr(self, name))
+        if self.temperature < 0:
+            raise InputError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise InputError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not isinstance(self.top_k, (int, np.integer)) or isinstance(self.top_k, bool) or self.top_k < 0:
+            raise InputError(f"top_k must be an integer >= 0, got {self.top_k!r}")
+        if self.repetition_penalty <= 0:
+            raise InputError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if not isinstance(self.repetition_window, (int, np.integer)) or isinstance(self.repetition_window, bool) \
+                or self.repetition_window < 1:
+            raise InputError(f"repetition_window must be an integer >= 1, got {self.repetition_window!r}")
+        return self
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.greedy or self.temperature == 0
+
+
+class FrameRandom:
+    """The uniforms a frame's draws consume, from one seeded generator per stream (PCG64)."""
+
+    def __init__(self, seed: int | None, rvq: int):
+        if seed is not None and (not isinstance(seed, (int, np.integer)) or isinstance(seed, bool) or seed < 0):
+            raise InputError(f"seed must be an integer >= 0, got {seed!r}")
+        self.seed = seed if seed is not None else int(np.random.SeedSequence().entropy % (1 << 63))
+        self._rng = np.random.Generator(np.random.PCG64(self.seed))
+        self._rvq = rvq
+
+    def next_frame(self) -> np.ndarray:
+        return self._rng.random(self._rvq, dtype=np.float32)

@@ -1,0 +1,440 @@
+"""MOSS-TTS-Realtime → ONNX graphs: the Qwen3 backbone step, the local "depth" frame sampler, and the
+sampling filter on its own (for tests).
+
+* ``backbone`` is one graph for prefill and decode steps. It embeds grid rows (17 summed tables),
+  runs the Qwen3 layers against a host-owned, preallocated KV buffer per layer (only the first
+  ``past_len[b]`` slots of stream ``b`` are valid), and returns every new row's post-norm hidden state
+  plus the new rows' K (after q/k-norm and RoPE) and V, which the host writes at ``past_len..``.
+* ``depth`` turns one backbone hidden state into one 16-code frame: the 4-layer local transformer
+  unrolled over its 16 positions (fresh causal cache per frame), each head's logits through repetition
+  penalty, greedy argmax or temperature / top-k / top-p and an inverse-CDF draw from host uniforms.
+* ``sampling_filter`` is the same filter on given logits, exposing the penalized logits and the final
+  distribution.
+
+Everything computes in float32; ``weight_dtype`` only changes how large weights are stored.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+from onnx import TensorProto
+
+from .checkpoint import Checkpoint, CheckpointError
+from .graph import GraphBuilder
+
+FLOAT, INT64, BOOL, DOUBLE = TensorProto.FLOAT, TensorProto.INT64, TensorProto.BOOL, TensorProto.DOUBLE
+
+RVQ = 16                # audio codebooks per frame (grid columns 1..16)
+AUDIO_VOCAB = 1027      # codes 0..1023, 1024 pad, 1025 BOS, 1026 EOS
+AUDIO_PAD, AUDIO_BOS, AUDIO_EOS = 1024, 1025, 1026
+HISTORY_PAD = AUDIO_VOCAB   # history entries equal to this are padding (never match a logit index)
+TEXT_PAD, AUDIO_PAD_TEXT = 151655, 151654   # <|text_pad|>, <|audio_pad|> (upstream hard-codes these)
+
+# Present in upstream checkpoints but never read by upstream inference (it always passes inputs_embeds):
+# the text table on the live path is ``embed_tokens.0.weight``.
+IGNORED_TENSORS = ("language_model.embed_tokens.weight",)
+
+BACKBONE, LOCAL = "language_model", "local_transformer.model"
+_LAYER_TENSORS = ("input_layernorm.weight", "self_attn.q_proj.weight", "self_attn.k_proj.weight",
+                  "self_attn.v_proj.weight", "self_attn.o_proj.weight", "self_attn.q_norm.weight",
+                  "self_attn.k_norm.weight", "post_attention_layernorm.weight", "mlp.gate_proj.weight",
+                  "mlp.up_proj.weight", "mlp.down_proj.weight")
+
+
+# ---------------------------------------------------------------------------------------------- config
+@dataclass(frozen=True)
+class StackSpec:
+    """One Qwen3 decoder stack (the backbone or the local transformer)."""
+
+    prefix: str
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    rms_eps: float
+    rope_theta: float
+    rope_factor: float   # "linear" RoPE scaling: positions / factor (1.0 = default RoPE)
+
+    def inv_freq(self) -> np.ndarray:
+        """``1 / theta^(arange(0, D, 2) / D)`` in float32, as transformers computes it."""
+        exps = np.arange(0, self.head_dim, 2, dtype=np.int64).astype(np.float32) / np.float32(self.head_dim)
+        inv = np.float32(1.0) / np.power(np.float32(self.rope_theta), exps, dtype=np.float32)
+        return (inv / np.float32(self.rope_factor)).astype(np.float32)
+
+
+@dataclass(frozen=True)
+class TTSConfig:
+    backbone: StackSpec
+    local: StackSpec
+    vocab: int
+    rvq: int
+    audio_vocab: int
+    audio_pad: int
+    audio_bos: int
+    audio_eos: int
+    text_pad: int
+    audio_pad_text: int
+
+    def to_json(self) -> dict:
+        """The runtime's view: flat backbone dims (KV buffer sizing) plus both stacks in full."""
+        b = self.backbone
+        return {
+            "hidden": b.hidden, "layers": b.layers, "heads": b.heads, "kv_heads": b.kv_heads,
+            "head_dim": b.head_dim, "intermediate": b.intermediate, "vocab": self.vocab,
+            "rms_eps": b.rms_eps, "rope_theta": b.rope_theta,
+            "rvq": self.rvq, "audio_vocab": self.audio_vocab, "audio_pad": self.audio_pad,
+            "audio_bos": self.audio_bos, "audio_eos": self.audio_eos, "text_pad": self.text_pad,
+            "audio_pad_text": self.audio_pad_text, "history_pad": HISTORY_PAD,
+            "backbone": asdict(b), "local": asdict(self.local),
+        }
+
+
+def _rope(cfg: dict, where: str) -> tuple[float, float]:
+    """(theta, linear factor) from transformers v5 ``rope_parameters`` or v4 ``rope_theta``/``rope_scaling``."""
+    params = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+    theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    kind = params.get("rope_type", params.get("type", cfg.get("rope_type", "default")))
+    if kind == "default":
+        return theta, 1.0
+    if kind == "linear":
+        return theta, float(params.get("factor", 1.0))
+    raise CheckpointError(f"{where}: unsupported RoPE type {kind!r} (default and linear are supported)")
+
+
+def _stack(cfg: dict, prefix: str, where: str) -> StackSpec:
+    for key, ok in (("hidden_act", lambda v: v in (None, "silu")), ("attention_bias", lambda v: not v),
+                    ("use_sliding_window", lambda v: not v)):
+        if not ok(cfg.get(key)):
+            raise CheckpointError(f"{where}: unsupported {key}={cfg.get(key)!r}")
+    if any(t != "full_attention" for t in cfg.get("layer_types") or []):
+        raise CheckpointError(f"{where}: only full-attention layers are supported, got {cfg['layer_types']}")
+    hidden, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
+    kv_heads = int(cfg.get("num_key_value_heads") or heads)
+    if heads % kv_heads:
+        raise CheckpointError(f"{where}: {heads} heads not a multiple of {kv_heads} kv heads")
+    theta, factor = _rope(cfg, where)
+    return StackSpec(prefix=prefix, layers=int(cfg["num_hidden_layers"]), hidden=hidden, heads=heads,
+                     kv_heads=kv_heads, head_dim=int(cfg.get("head_dim") or hidden // heads),
+                     intermediate=int(cfg["intermediate_size"]), rms_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+                     rope_theta=theta, rope_factor=factor)
+
+
+def parse_tts_config(cfg: dict) -> TTSConfig:
+    """Read an upstream ``MossTTSRealtime`` ``config.json`` (``language_config`` + ``local_config``)."""
+    if "language_config" not in cfg or "local_config" not in cfg:
+        raise CheckpointError("not a MOSS-TTS-Realtime config: language_config / local_config missing")
+    lang, local = cfg["language_config"], cfg["local_config"]
+    backbone = _stack(lang, BACKBONE, "language_config")
+    depth = _stack(local, LOCAL, "local_config")
+    if depth.hidden != backbone.hidden:
+        raise CheckpointError(f"local hidden {depth.hidden} != backbone hidden {backbone.hidden} "
+                              "(upstream has no projection between them)")
+    rvq = int(cfg.get("rvq", local.get("rvq", RVQ)))
+    audio_vocab = int(cfg.get("audio_vocab_size", local.get("audio_vocab_size", AUDIO_VOCAB)))
+    if rvq != RVQ or audio_vocab != AUDIO_VOCAB:
+        raise CheckpointError(f"expected rvq={RVQ}, audio_vocab_size={AUDIO_VOCAB}; got {rvq}, {audio_vocab}")
+    return TTSConfig(backbone=backbone, local=depth, vocab=int(lang["vocab_size"]), rvq=rvq,
+                     audio_vocab=audio_vocab, audio_pad=int(cfg.get("audio_pad_token", AUDIO_PAD)),
+                     audio_bos=AUDIO_BOS, audio_eos=AUDIO_EOS, text_pad=TEXT_PAD, audio_pad_text=AUDIO_PAD_TEXT)
+
+
+def _layer_names(spec: StackSpec) -> list[str]:
+    return [f"{spec.prefix}.layers.{i}.{n}" for i in range(spec.layers) for n in _LAYER_TENSORS]
+
+
+def tts_tensor_names(cfg: TTSConfig) -> list[str]:
+    """Every tensor the exporter reads, to fail early with the complete list of missing ones."""
+    names = [f"embed_tokens.{c}.weight" for c in range(cfg.rvq + 1)]
+    names += _layer_names(cfg.backbone) + [f"{BACKBONE}.norm.weight"]
+    names += [f"{LOCAL}.embed_tokens.{j}.weight" for j in range(cfg.rvq - 1)]
+    names += _layer_names(cfg.local) + [f"{LOCAL}.norm.weight"]
+    names += [f"local_transformer.local_lm_heads.{p}.weight" for p in range(cfg.rvq)]
+    return names
+
+
+def check_tensor_shapes(ckpt: Checkpoint, cfg: TTSConfig) -> None:
+    """Shape check of every tensor before any graph is written."""
+    want: dict[str, tuple] = {"embed_tokens.0.weight": (cfg.vocab, cfg.backbone.hidden)}
+    for c in range(1, cfg.rvq + 1):
+        want[f"embed_tokens.{c}.weight"] = (cfg.audio_vocab, cfg.backbone.hidden)
+    for j in range(cfg.rvq - 1):
+        want[f"{LOCAL}.embed_tokens.{j}.weight"] = (cfg.audio_vocab, cfg.local.hidden)
+    for p in range(cfg.rvq):
+        want[f"local_transformer.local_lm_heads.{p}.weight"] = (cfg.audio_vocab, cfg.local.hidden)
+    for s in (cfg.backbone, cfg.local):
+        want[f"{s.prefix}.norm.weight"] = (s.hidden,)
+        q, kv = s.heads * s.head_dim, s.kv_heads * s.head_dim
+        for i in range(s.layers):
+            lp = f"{s.prefix}.layers.{i}"
+            want.update({
+                f"{lp}.input_layernorm.weight": (s.hidden,), f"{lp}.post_attention_layernorm.weight": (s.hidden,),
+                f"{lp}.self_attn.q_proj.weight": (q, s.hidden), f"{lp}.self_attn.k_proj.weight": (kv, s.hidden),
+                f"{lp}.self_attn.v_proj.weight": (kv, s.hidden), f"{lp}.self_attn.o_proj.weight": (s.hidden, q),
+                f"{lp}.self_attn.q_norm.weight": (s.head_dim,), f"{lp}.self_attn.k_norm.weight": (s.head_dim,),
+                f"{lp}.mlp.gate_proj.weight": (s.intermediate, s.hidden),
+                f"{lp}.mlp.up_proj.weight": (s.intermediate, s.hidden),
+                f"{lp}.mlp.down_proj.weight": (s.hidden, s.intermediate),
+            })
+    bad = [f"{n} {tuple(ckpt.shape(n))} (expected {shape})" for n, shape in want.items()
+           if tuple(ckpt.shape(n)) != shape]
+    if bad:
+        raise CheckpointError(f"{ckpt.dir}: misshapen tensors: {'; '.join(bad[:10])}")
+
+
+# ---------------------------------------------------------------------------------------------- layers
+class Layer:
+    """One Qwen3 decoder layer's weights, added to the graph once and shared by every call site."""
+
+    def __init__(self, gb: GraphBuilder, ckpt: Checkpoint, spec: StackSpec, index: int):
+        lp = f"{spec.prefix}.layers.{index}"
+        self.spec = spec
+        vec = lambda n: gb.weight(f"{lp}.{n}", ckpt.get(f"{lp}.{n}"))
+        mat = lambda n: gb.matmul_weight(ckpt.get(f"{lp}.{n}.weight"), f"{lp}.{n}")
+        self.ln1, self.ln2 = vec("input_layernorm.weight"), vec("post_attention_layernorm.weight")
+        self.q_norm, self.k_norm = vec("self_attn.q_norm.weight"), vec("self_attn.k_norm.weight")
+        self.q, self.k, self.v, self.o = (mat(f"self_attn.{n}_proj") for n in "qkvo")
+        self.gate, self.up, self.down = (mat(f"mlp.{n}_proj") for n in ("gate", "up", "down"))
+
+    def qkv(self, gb: GraphBuilder, x: str, cos: str, sin: str) -> tuple[str, str, str]:
+        """x [B, T, hidden] → q [B, H, T, D], k and v [B, KV, T, D] (input RMSNorm, projections, q/k
+        RMSNorm over head_dim, then rotate-half RoPE). cos/sin: [B, 1, T, D] or [1, 1, 1, D]."""
+        s = self.spec
+        h = gb.rms_norm_named(x, self.ln1, s.rms_eps)
+        q = gb.reshape(gb.matmul(h, self.q), [0, 0, s.heads, s.head_dim])
+        k = gb.reshape(gb.matmul(h, self.k), [0, 0, s.kv_heads, s.head_dim])
+        v = gb.reshape(gb.matmul(h, self.v), [0, 0, s.kv_heads, s.head_dim])
+        q = gb.transpose(gb.rms_norm_named(q, self.q_norm, s.rms_eps), [0, 2, 1, 3])     # [B, H, T, D]
+        k = gb.transpose(gb.rms_norm_named(k, self.k_norm, s.rms_eps), [0, 2, 1, 3])     # [B, KV, T, D]
+        q, k = gb.rope_rotate_half(q, cos, sin), gb.rope_rotate_half(k, cos, sin)
+        return q, k, gb.transpose(v, [0, 2, 1, 3])
+
+    def finish(self, gb: GraphBuilder, x: str, q: str, keys: str, values: str, bias: str | None) -> str:
+        """GQA attention of q [B, H, T, D] over keys/values [B, KV, S, D] (+ bias [B, 1, G*T, S]), o_proj
+        and residual, then the SwiGLU MLP block with its residual.
+
+        Query head ``h`` uses kv head ``h // G``: q is viewed as [B, KV, G*T, D] (row ``g*T + t``), so
+        no K/V copy per query head is made."""
+        s = self.spec
+        qf = gb.reshape(q, [0, s.kv_heads, -1, s.head_dim])                               # [B, KV, G*T, D]
+        scores = gb.op("Mul", [gb.op("MatMul", [qf, gb.transpose(keys, [0, 1, 3, 2])]),
+                               gb.const(1.0 / math.sqrt(s.head_dim))])                 # [B, KV, G*T, S]
+        if bias is not None:
+            scores = gb.op("Add", [scores, bias])
+        att = gb.op("MatMul", [gb.op("Softmax", [scores], axis=-1), values])            # [B, KV, G*T, D]
+        att = gb.transpose(gb.reshape(att, [0, s.heads, -1, s.head_dim]), [0, 2, 1, 3])  # [B, T, H, D]
+        att = gb.reshape(att, [0, 0, s.heads * s.head_dim])
+        x = gb.op("Add", [x, gb.matmul(att, self.o)])
+        h = gb.rms_norm_named(x, self.ln2, s.rms_eps)
+        mlp = gb.matmul(gb.op("Mul", [gb.silu(gb.matmul(h, self.gate)), gb.matmul(h, self.up)]), self.down)
+        return gb.op("Add", [x, mlp])
+
+
+def past_names(layer: int) -> tuple[str, str]:
+    return f"past_key.{layer}", f"past_value.{layer}"
+
+
+# ---------------------------------------------------------------------------------------------- backbone
+def build_backbone(ckpt: Checkpoint, cfg: TTSConfig, path: Path, weight_dtype) -> GraphBuilder:
+    """grid [B, T, 17] + past_len [B] + KV buffers → hidden [B, T, hidden] + present [L, 2, B, KV, T, D]."""
+    s = cfg.backbone
+    gb = GraphBuilder("backbone", path, weight_dtype)
+    grid = gb.input("grid", INT64, ["batch", "rows", cfg.rvq + 1])
+    past_len = gb.input("past_len", INT64, ["batch"])
+
+    # 17 lookups summed in column order (as upstream accumulates them)
+    x = None
+    for c in range(cfg.rvq + 1):
+        ids = gb.op("Gather", [grid, gb.const(c, np.int64)], axis=2)                   # [B, T]
+        e = gb.embedding(ids, ckpt.get(f"embed_tokens.{c}.weight", dtype=None), f"embed_tokens.{c}")
+        x = e if x is None else gb.op("Add", [x, e])
+
+    n_new = gb.dim(grid, 1)
+    new_idx = gb.arange(n_new)                                                          # [T]
+    pos = gb.op("Add", [gb.unsqueeze(past_len, [1]), gb.unsqueeze(new_idx, [0])])      # [B, T]
+    cos, sin = gb.rope_cos_sin(gb.cast(pos, FLOAT), s.inv_freq())                       # [B, T, D]
+    cos, sin = gb.unsqueeze(cos, [1]), gb.unsqueeze(sin, [1])                           # [B, 1, T, D]
+
+    # additive bias [B, 1, G*T, C+T]: buffer slot j valid iff j < past_len[b]; new rows causal
+    pk0, pv0 = past_names(0)
+    gb.input(pk0, FLOAT, ["batch", s.kv_heads, "capacity", s.head_dim])
+    slots = gb.arange(gb.dim(pk0, 2))                                                   # [C]
+    past_ok = gb.op("Less", [gb.unsqueeze(slots, [0, 1]), gb.unsqueeze(past_len, [1, 2])])  # [B, 1, C]
+    new_ok = gb.op("LessOrEqual", [gb.unsqueeze(new_idx, [0]), gb.unsqueeze(new_idx, [1])])  # [T(q), T(k)]
+    batch = gb.op("Shape", [grid], start=0, end=1)
+    past_ok = gb.op("Expand", [past_ok, gb.concat([batch, gb.op("Shape", [grid], start=1, end=2),
+                                                   gb.op("Shape", [slots])], 0)])      # [B, T, C]
+    new_ok = gb.op("Expand", [gb.unsqueeze(new_ok, [0]), gb.concat([batch, gb.const([1, 1], np.int64)], 0)])
+    ok = gb.concat([past_ok, new_ok], 2)                                                # [B, T, C+T]
+    bias = gb.op("Where", [ok, gb.const(0.0), gb.const(np.finfo(np.float32).min)])
+    bias = gb.op("Tile", [gb.unsqueeze(bias, [1]), gb.const([1, 1, s.heads // s.kv_heads, 1], np.int64)])
+
+    presents = []
+    for i in range(s.layers):
+        layer = Layer(gb, ckpt, s, i)
+        pk, pv = past_names(i)
+        if i:
+            gb.input(pk, FLOAT, ["batch", s.kv_heads, "capacity", s.head_dim])
+        gb.input(pv, FLOAT, ["batch", s.kv_heads, "capacity", s.head_dim])
+        q, k, v = layer.qkv(gb, x, cos, sin)
+        x = layer.finish(gb, x, q, gb.concat([pk, k], 2), gb.concat([pv, v], 2), bias)
+        presents.append(gb.unsqueeze(gb.concat([gb.unsqueeze(k, [0]), gb.unsqueeze(v, [0])], 0), [0]))
+    hidden = gb.rms_norm_named(x, gb.weight(f"{BACKBONE}.norm.weight", ckpt.get(f"{BACKBONE}.norm.weight")), s.rms_eps)
+    gb.output(hidden, "hidden", FLOAT, ["batch", "rows", s.hidden])
+    gb.output(gb.concat(presents, 0), "present", FLOAT, [s.layers, 2, "batch", s.kv_heads, "rows", s.head_dim])
+    return gb
+
+
+# ---------------------------------------------------------------------------------------------- sampling
+def _row(gb: GraphBuilder, v: str) -> str:
+    """Per-row parameter [B] → [B, 1, 1] to broadcast over [B, N, V]."""
+    return gb.unsqueeze(v, [1, 2])
+
+
+def sampling_filter(gb: GraphBuilder, logits: str, history: str, penalty: str, temperature: str,
+                    top_k: str, top_p: str, vocab: int) -> tuple[str, str, str]:
+    """The upstream ``sample_token`` filter chain on logits [B, N, V] with history [B, W, N]
+    (N codebooks side by side; per-row parameters [B]).
+
+    Returns ``(penalized, filtered, probs)``:
+    * penalized: repetition penalty over the set of ids in ``history[b, :, n]`` (x<0 → x*pen, else
+      x/pen; each id once; entries outside 0..V-1, e.g. the 1027 padding, match nothing);
+    * filtered: penalized / temperature (temperature <= 0 counts as 1: greedy rows), then top-k (keep
+      logits >= the k-th largest; k <= 0 or k >= V keeps all), then top-p (ascending sort, cumulative
+      softmax accumulated in float64 as torch's CPU cumsum does, drop where it is <= 1 - top_p, always keep
+      the max; top_p >= 1 keeps all); dropped entries are -inf;
+    * probs: softmax(filtered), the distribution a sample is drawn from.
+    """
+    V = vocab
+    vocab_ids = gb.const(np.arange(V, dtype=np.int64), np.int64)
+    # repetition penalty: membership of each vocab id in the window, per codebook
+    hit = gb.op("Equal", [gb.unsqueeze(history, [3]), vocab_ids])                       # [B, W, N, V]
+    seen = gb.op("Greater", [gb.op("ReduceMax", [gb.cast(hit, FLOAT), gb.const([1], np.int64)], keepdims=0),
+                             gb.const(0.0)])                                            # [B, N, V]
+    pen = _row(gb, penalty)
+    punished = gb.op("Where", [gb.op("Less", [logits, gb.const(0.0)]), gb.op("Mul", [logits, pen]),
+                               gb.op("Div", [logits, pen])])
+    penalized = gb.op("Where", [seen, punished, logits])
+
+    # temperature
+    temp = gb.op("Where", [gb.op("Greater", [temperature, gb.const(0.0)]), temperature, gb.const(1.0)])
+    scaled = gb.op("Div", [penalized, _row(gb, temp)])
+
+    neg_inf = gb.const(-np.inf)
+    # top-k: threshold = k-th largest value of the row
+    k = gb.op("Where", [gb.op("And", [gb.op("Greater", [top_k, gb.const(0, np.int64)]),
+                                       gb.op("Less", [top_k, gb.const(V, np.int64)])]),
+                        top_k, gb.const(V, np.int64)])                                  # [B]
+    desc, _ = gb.op("TopK", [scaled, gb.const([V], np.int64)], n_out=2, axis=-1, largest=1, sorted=1)
+    n_books = gb.op("Shape", [scaled], start=1, end=2)
+    k_idx = gb.op("Expand", [_row(gb, gb.op("Sub", [k, gb.const(1, np.int64)])),
+                             gb.concat([gb.op("Shape", [scaled], start=0, end=1), n_books,
+                                        gb.const([1], np.int64)], 0)])                   # [B, N, 1]
+    kth = gb.op("GatherElements", [desc, k_idx], axis=-1)                               # [B, N, 1]
+    topk = gb.op("Where", [gb.op("Less", [scaled, kth]), neg_inf, scaled])
+
+    # top-p on the top-k-filtered logits (HF TopPLogitsWarper)
+    asc, order = gb.op("TopK", [topk, gb.const([V], np.int64)], n_out=2, axis=-1, largest=0, sorted=1)
+    cum = gb.cast(gb.op("CumSum", [gb.cast(gb.op("Softmax", [asc], axis=-1), DOUBLE), gb.const(-1, np.int64)]),
+                  FLOAT)
+    cut = _row(gb, gb.op("Sub", [gb.const(1.0), top_p]))
+    drop_sorted = gb.op("LessOrEqual", [cum, cut])
+    keep_last = np.ones(V, dtype=bool)
+    keep_last[-1] = False
+    drop_sorted = gb.op("And", [drop_sorted, gb.const(keep_last, np.bool_)])           # always keep the max
+    drop = gb.op("ScatterElements", [gb.cast(drop_sorted, FLOAT), order, gb.cast(drop_sorted, FLOAT)], axis=-1)
+    p_on = _row(gb, gb.op("Less", [top_p, gb.const(1.0)]))
+    drop = gb.op("And", [gb.op("Greater", [drop, gb.const(0.0)]), p_on])
+    filtered = gb.op("Where", [drop, neg_inf, topk])
+    probs = gb.op("Softmax", [filtered], axis=-1)
+    return penalized, filtered, probs
+
+
+def _draw(gb: GraphBuilder, probs: str, uniform: str, vocab: int) -> str:
+    """Inverse-CDF draw from probs [B, V] with u [B] in [0, 1): the first index whose cumulative
+    probability exceeds ``u * total``; never an index of probability 0. → [B] int64."""
+    cdf = gb.op("CumSum", [probs, gb.const(-1, np.int64)])
+    total = gb.op("Gather", [cdf, gb.const([vocab - 1], np.int64)], axis=1)             # [B, 1]
+    target = gb.op("Mul", [gb.unsqueeze(uniform, [1]), total])
+    count = gb.op("ReduceSum", [gb.cast(gb.op("LessOrEqual", [cdf, target]), INT64), gb.const([1], np.int64)],
+                  keepdims=1)                                                            # [B, 1]
+    idx = gb.op("Min", [count, gb.const([vocab - 1], np.int64)])
+    picked = gb.op("GatherElements", [probs, idx], axis=1)
+    best = gb.op("ArgMax", [probs], axis=1, keepdims=1)
+    idx = gb.op("Where", [gb.op("Greater", [picked, gb.const(0.0)]), idx, best])
+    return gb.squeeze(idx, [1])
+
+
+def build_sampling_filter(path: Path, vocab: int = AUDIO_VOCAB, rvq: int = RVQ) -> GraphBuilder:
+    """logits [B, 16, V] + history [B, W, 16] + per-row parameters → penalized, probs [B, 16, V]."""
+    gb = GraphBuilder("sampling_filter", path)
+    logits = gb.input("logits", FLOAT, ["batch", rvq, vocab])
+    history = gb.input("history", INT64, ["batch", "window", rvq])
+    params = _sampling_inputs(gb)
+    penalized, _, probs = sampling_filter(gb, logits, history, *params, vocab=vocab)
+    gb.output(penalized, "penalized", FLOAT, ["batch", rvq, vocab])
+    gb.output(probs, "probs", FLOAT, ["batch", rvq, vocab])
+    return gb
+
+
+def _sampling_inputs(gb: GraphBuilder) -> tuple[str, str, str, str]:
+    return (gb.input("repetition_penalty", FLOAT, ["batch"]), gb.input("temperature", FLOAT, ["batch"]),
+            gb.input("top_k", INT64, ["batch"]), gb.input("top_p", FLOAT, ["batch"]))
+
+
+# ---------------------------------------------------------------------------------------------- depth
+def build_depth(ckpt: Checkpoint, cfg: TTSConfig, path: Path, weight_dtype) -> GraphBuilder:
+    """One whole frame: hidden [B, hidden] → codes [B, 16] and raw head logits [B, 16, V].
+
+    Position 0 is the backbone hidden state, position p >= 1 the local embedding ``p-1`` of code
+    ``p-1``; the 16 positions are unrolled and each attends to the K/V of the earlier ones.
+    """
+    s, V, N = cfg.local, cfg.audio_vocab, cfg.rvq
+    gb = GraphBuilder("depth", path, weight_dtype)
+    x = gb.unsqueeze(gb.input("hidden", FLOAT, ["batch", s.hidden]), [1])              # [B, 1, H]
+    history = gb.input("history", INT64, ["batch", "window", N])
+    penalty, temperature, top_k, top_p = _sampling_inputs(gb)
+    greedy = gb.input("greedy", BOOL, ["batch"])
+    uniform = gb.input("uniform", FLOAT, ["batch", N])
+    greedy = gb.op("Or", [greedy, gb.op("LessOrEqual", [temperature, gb.const(0.0)])])
+
+    layers = [Layer(gb, ckpt, s, i) for i in range(s.layers)]
+    final_norm = gb.weight(f"{LOCAL}.norm.weight", ckpt.get(f"{LOCAL}.norm.weight"))
+    heads = [gb.matmul_weight(ckpt.get(f"local_transformer.local_lm_heads.{p}.weight"),
+                              f"local_transformer.local_lm_heads.{p}") for p in range(N)]
+    inv = s.inv_freq()
+    keys: list[list[str]] = [[] for _ in layers]
+    values: list[list[str]] = [[] for _ in layers]
+    codes, all_logits = [], []
+    for p in range(N):
+        ang = np.float32(p) * inv
+        emb = np.concatenate([ang, ang]).reshape(1, 1, 1, -1)
+        cos, sin = gb.const(np.cos(emb)), gb.const(np.sin(emb))
+        h = x
+        for li, layer in enumerate(layers):
+            q, k, v = layer.qkv(gb, h, cos, sin)
+            keys[li].append(k)
+            values[li].append(v)
+            kk = keys[li][0] if p == 0 else gb.concat(keys[li], 2)
+            vv = values[li][0] if p == 0 else gb.concat(values[li], 2)
+            h = layer.finish(gb, h, q, kk, vv, None)
+        h = gb.rms_norm_named(h, final_norm, s.rms_eps)
+        logits = gb.unsqueeze(gb.matmul(gb.squeeze(h, [1]), heads[p]), [1])            # [B, 1, V]
+        all_logits.append(logits)
+        hist = gb.op("Gather", [history, gb.const([p], np.int64)], axis=2)              # [B, W, 1]
+        penalized, _, probs = sampling_filter(gb, logits, hist, penalty, temperature, top_k, top_p, vocab=V)
+        argmax = gb.op("ArgMax", [gb.squeeze(penalized, [1])], axis=1, keepdims=0)      # [B]
+        drawn = _draw(gb, gb.squeeze(probs, [1]), gb.op("Gather", [uniform, gb.const(p, np.int64)], axis=1), V)
+        code = gb.op("Where", [greedy, argmax, drawn])                                   # [B]
+        codes.append(gb.unsqueeze(code, [1]))
+        if p + 1 < N:
+            x = gb.unsqueeze(gb.embedding(code, ckpt.get(f"{LOCAL}.embed_tokens.{p}.weight", dtype=None),
+                                          f"{LOCAL}.embed_tokens.{p}"), [1])             # [B, 1, H]
+    gb.output(gb.concat(codes, 1), "codes", INT64, ["batch", N])
+    gb.output(gb.concat(all_logits, 1), "logits", FLOAT, ["batch", N, V])
+    return gb

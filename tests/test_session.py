@@ -1,0 +1,329 @@
+"""Streaming sessions against the upstream goldens: token ids and text deltas in, frames out, pacing,
+multi-turn context, cancel, limits, and the replay CLI."""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import soundfile as sf
+
+from conftest import golden, tolerance
+
+SPEC_PROMPTS = {
+    "turn1_user": "Hey, I just landed in Paris. I have about six hours before my next flight. Any ideas?",
+    "turn2_user": "Just a backpack.",
+}
+
+
+def greedy(model):
+    return model.default_sampling(greedy=True, repetition_penalty=1.1)
+
+
+def new_session(model, voice=None, **kw):
+    from engine.session import StreamingSession
+
+    return StreamingSession(model, voice_codes=voice, params=greedy(model), **kw)
+
+
+def run_turn_ids(session, ids, chunks, **turn):
+    session.begin_turn(**turn)
+    frames, f = [], 0
+    for n in chunks:
+        frames += session.push_token_ids(ids[f:f + n])
+        f += n
+    frames += session.push_token_ids(ids[f:]) if f < len(ids) else []
+    frames += session.end_text()
+    frames += session.drain()
+    return frames
+
+
+def codes_of(frames):
+    return np.stack([f.codes for f in frames])
+
+
+# ---------------------------------------------------------------------------------------------- parity
+@pytest.mark.parametrize("chunks", [[1] * 40, [12], [5, 7, 3, 20], [36]])
+def test_streamed_token_ids_reproduce_upstream_frames(model, chunks):
+    g = golden("tts/tts_streaming.npz")
+    s = new_session(model)
+    frames = run_turn_ids(s, list(g["streamed_text_ids"]), chunks)
+    np.testing.assert_array_equal(codes_of(frames), g["frames"])     # EOS frame included
+    assert frames[-1].eos and frames[-1].audio is None
+    np.testing.assert_array_equal(s.context[0][: len(g["turn_input_ids"])], g["turn_input_ids"])
+    np.testing.assert_array_equal(s.context_ids(), g["context_ids"])
+    assert s.stats.finish_reason == "eos"
+
+
+def test_text_deltas_feed_whole_text_ids(model):
+    g = golden("tts/tts_streaming.npz")
+    s = new_session(model)
+    s.begin_turn()
+    frames = []
+    for d in g["deltas"]:
+        frames += s.push_text(str(d))
+    frames += s.end_text() + s.drain()
+    text_rows = np.concatenate(s.context)[len(g["turn_input_ids"]):, 0]
+    fed = [int(t) for t in text_rows if t != model.ids.text_pad]
+    assert fed == list(g["whole_text_ids"])
+    np.testing.assert_array_equal(codes_of(frames[:-1]), g["nonstream_whole_codes"])
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_splits_give_the_same_ids_and_frames(model, seed):
+    """Property: any split of the text (str or UTF-8 bytes, even inside a character) feeds the whole-text
+    ids, so the frames equal the non-streaming generation of the whole text."""
+    g = golden("tts/tts_streaming.npz")
+    text = "".join(str(d) for d in g["deltas"])
+    rng = random.Random(seed)
+    cuts = sorted(rng.sample(range(1, len(text)), rng.randint(1, 30)))
+    parts = [text[a:b] for a, b in zip([0] + cuts, cuts + [len(text)])]
+    s = new_session(model)
+    s.begin_turn()
+    frames = []
+    for part in parts:
+        if seed % 2:
+            raw = part.encode()
+            k = rng.randint(0, len(raw))
+            frames += s.push_text(raw[:k]) + s.push_text(raw[k:])
+        else:
+            frames += s.push_text(part)
+    frames += s.end_text() + s.drain()
+    np.testing.assert_array_equal(codes_of(frames[:-1]), g["nonstream_whole_codes"])
+
+
+def test_text_committer_property_on_hard_text(model):
+    from engine.textstream import TextCommitter
+
+    tok = model.tokenizer._tok
+    text = ("Numbers 1234567 and 3.14159, e.g. the well-known value; café naïve e\u0301 — 你好，世界！これは日本語です。"
+            "  spaces   \n\nnew<|im_end|>x <|im_e <|imagine !!!<|text_pad|> emoji 😀👍🏽 done")
+    whole = tok.encode(text, add_special_tokens=False).ids
+    specials = [model.tokenizer.decode([i]) for i in model.tokenizer.special_ids.values()]
+    rng = random.Random(7)
+    for _ in range(200):
+        cuts = sorted(rng.sample(range(1, len(text)), rng.randint(0, 40)))
+        tc = TextCommitter(tok, specials + ["<|imagine_not_special|>"])
+        out = []
+        for a, b in zip([0] + cuts, cuts + [len(text)]):
+            out += tc.push(text[a:b])
+            assert out == whole[: len(out)]  # committed ids never change
+        assert out + tc.finish() == whole
+
+
+def test_multiturn_reuses_the_kv_cache(model):
+    g = golden("tts/tts_multiturn.npz")
+    s = new_session(model, voice=g["voice_prompt_codes"].T)
+    f1 = run_turn_ids(s, list(g["turn1_streamed_text_ids"]), [3] * 20, user_text=SPEC_PROMPTS["turn1_user"],
+                      user_audio_codes=g["turn1_user_audio_codes"].T)
+    np.testing.assert_array_equal(s.context[0][: len(g["turn1_input_ids"])], g["turn1_input_ids"])
+    np.testing.assert_array_equal(codes_of(f1), g["turn1_frames"])
+    rows_after_turn1 = s.context_rows
+    f2 = run_turn_ids(s, list(g["turn2_streamed_text_ids"]), [12, 1, 1, 1], user_text=SPEC_PROMPTS["turn2_user"],
+                      user_audio_codes=g["turn2_user_audio_codes"].T)
+    turn2_prefill = s.context[len(s.context) - len(f2)]
+    np.testing.assert_array_equal(turn2_prefill[: len(g["turn2_input_ids"])], g["turn2_input_ids"])
+    np.testing.assert_array_equal(codes_of(f2), g["turn2_frames"])
+    np.testing.assert_array_equal(s.context_ids(), g["context_ids"])
+    assert s.context_rows == len(g["context_ids"]) > rows_after_turn1
+
+
+def test_app_text_only_user_turn(model):
+    g = golden("tts/tts_app_stream.npz")
+    rows = g["turn_input_ids"]
+    voice = g["prompt_codes"].T
+    system = model.prompt.system_block(model.prompt.check_voice_codes(voice))
+    # the user text is whatever the golden grid holds between "user\n" and the closing <|im_end|>
+    user_ids = rows[len(system) + 5: -5, 0]
+    user_text = model.tokenizer.decode(list(user_ids))
+    s = new_session(model, voice=voice)
+    frames = run_turn_ids(s, list(g["text_ids"]), [12, 12], user_text=user_text)
+    np.testing.assert_array_equal(s.context[0][: len(rows)], rows)
+    np.testing.assert_array_equal(codes_of(frames), g["frames"])
+    np.testing.assert_array_equal(s.context_ids(), g["context_ids"])
+
+
+def test_turn_audio_equals_one_pass_decode(model):
+    g = golden("tts/tts_streaming.npz")
+    s = new_session(model)
+    frames = run_turn_ids(s, list(g["streamed_text_ids"]), [1] * 36)
+    audio = np.concatenate([f.audio for f in frames if not f.eos])
+    assert all(f.audio.shape == (1920,) for f in frames if not f.eos)
+    ref = model.codec.decode(g["frames"][:-1], 16)
+    assert np.abs(audio - ref).max() <= tolerance(ref)
+
+
+# ---------------------------------------------------------------------------------------------- pacing
+def test_pacing_prefill_at_12th_id_no_pad_before_end(model):
+    g = golden("tts/tts_streaming.npz")
+    ids = list(g["streamed_text_ids"])
+    s = new_session(model)
+    s.begin_turn()
+    for i in range(11):
+        assert s.push_token_ids([ids[i]]) == []
+        assert s.context_rows == 0               # nothing computed before the 12th id
+    assert len(s.push_token_ids([ids[11]])) == 1  # the 12th id: prefill -> frame 0
+    prefill_rows = s.context_rows
+    assert s.step() == [] and s.stats.stalls == 1  # waiting for text: no <|text_pad|> fed
+    assert s.context_rows == prefill_rows
+    for k, t in enumerate(ids[12:20], start=1):
+        out = s.push_token_ids([t])
+        assert len(out) == 1 and s.context_rows == prefill_rows + k
+        assert s.context[-1][0, 0] == t            # one committed id per frame, never a pad
+    assert all(r[0, 0] != model.ids.text_pad for r in s.context[1:])
+    out = s.push_token_ids(ids[20:])
+    assert len(out) == len(ids) - 20
+    tail = s.end_text() + s.drain()
+    assert all(r[0, 0] == model.ids.text_pad for r in s.context[len(ids) - 11:])
+    assert len(tail) == len(g["frames"]) - (len(ids) - 11)
+
+
+def test_short_text_prefills_at_end_of_text(model):
+    s = new_session(model)
+    s.begin_turn()
+    assert s.push_text("Hi there.") == []
+    out = s.end_text()
+    assert len(out) == 1 and s.context[0][-1, 1] == model.ids.audio_bos
+    assert s.context[0][-1, 0] == model.tokenizer.encode("Hi there.")[-1]
+
+
+# ---------------------------------------------------------------------------------------------- cancel, limits
+def test_cancel_then_next_turn_equals_session_with_fed_rows(model):
+    g = golden("tts/tts_multiturn.npz")
+    ids1, ids2 = list(g["turn1_streamed_text_ids"]), list(g["turn2_streamed_text_ids"])
+    a = new_session(model)
+    a.begin_turn(user_text="first")
+    a.push_token_ids(ids1[:16])         # prefill + 4 frames, then barge-in
+    a.cancel()
+    assert a.turn_done and a.stats.finish_reason == "cancelled"
+    assert a.push_token_ids(ids1[16:20]) == []  # nothing more for a cancelled turn
+    fed = a.context_ids()
+    frames_a = run_turn_ids(a, ids2, [12, 20], user_text="second")
+
+    # reference: the same rows fed directly, then the same second turn
+    b = new_session(model)
+    model.backbone(fed[None], b.cache)
+    b.context.append(fed)
+    b.turns = 1
+    frames_b = run_turn_ids(b, ids2, [32], user_text="second")
+    np.testing.assert_array_equal(codes_of(frames_a), codes_of(frames_b))
+
+
+def test_context_limit(model):
+    from engine.errors import InputError
+
+    s = new_session(model, max_context_rows=90)
+    with pytest.raises(InputError, match="context limit"):
+        s.begin_turn(user_text="x" * 400)
+    s.begin_turn()                          # still usable: 61 prompt rows fit
+    frames = s.push_token_ids(list(golden("tts/tts_streaming.npz")["streamed_text_ids"]))
+    frames += s.end_text() + s.drain()
+    assert s.stats.finish_reason == "context_limit"
+    assert s.context_rows <= 90
+    with pytest.raises(InputError, match="context limit"):
+        s.begin_turn(user_text="more")
+
+
+def test_frame_limit_per_turn(model):
+    s = new_session(model)
+    s.begin_turn(max_frames=5)
+    frames = s.push_token_ids(list(golden("tts/tts_streaming.npz")["streamed_text_ids"])) + s.end_text() + s.drain()
+    assert len(frames) == 5 and s.stats.finish_reason == "max_frames"
+
+
+def test_bad_input_errors(model):
+    from engine.errors import InputError
+
+    s = new_session(model)
+    with pytest.raises(InputError, match="begin_turn"):
+        s.push_text("hi")
+    s.begin_turn()
+    with pytest.raises(InputError, match="in progress"):
+        s.begin_turn()
+    with pytest.raises(InputError, match="token ids must lie"):
+        s.push_token_ids([model.vocab + 5])
+    with pytest.raises(InputError, match="token ids must lie"):
+        s.push_token_ids([-1])
+    s.push_text("Hello")
+    with pytest.raises(InputError, match="do not mix"):
+        s.push_token_ids([1, 2])
+    with pytest.raises(InputError, match="UTF-8"):
+        s.push_text(b"\xff\xfe")
+    s.end_text()
+    with pytest.raises(InputError, match="already ended"):
+        s.push_text("more")
+    s.drain()
+    with pytest.raises(InputError, match="0..1023"):
+        s.begin_turn(user_text="x", user_audio_codes=np.full((3, 16), 2000))
+    s.begin_turn(user_text="still usable")   # errors left the session usable
+    s.close()
+    with pytest.raises(InputError, match="closed"):
+        s.begin_turn()
+
+
+def test_open_close_cycles_free_memory(model):
+    import gc
+    import tracemalloc
+
+    ids = list(golden("tts/tts_streaming.npz")["streamed_text_ids"])
+    tracemalloc.start()
+
+    def cycle():
+        s = new_session(model)
+        run_turn_ids(s, ids, [36])
+        s.close()
+
+    cycle()
+    gc.collect()
+    base = tracemalloc.get_traced_memory()[0]
+    for _ in range(15):
+        cycle()
+    gc.collect()
+    grown = tracemalloc.get_traced_memory()[0] - base
+    tracemalloc.stop()
+    assert grown < 2_000_000, grown  # one session's KV alone is larger than this
+
+
+# ---------------------------------------------------------------------------------------------- replay CLI
+def test_replay_cli_multiturn(tmp_path, full_bundle_dir, model):
+    g = golden("tts/tts_multiturn.npz")
+    np.save(tmp_path / "voice.npy", g["voice_prompt_codes"].T)
+    np.save(tmp_path / "u1.npy", g["turn1_user_audio_codes"].T)
+    np.save(tmp_path / "u2.npy", g["turn2_user_audio_codes"].T)
+    script = {"voice_codes": "voice.npy", "voice_wav": None, "turns": [
+        {"user_text": SPEC_PROMPTS["turn1_user"], "user_audio_codes": "u1.npy",
+         "assistant_token_ids": [int(i) for i in g["turn1_streamed_text_ids"]]},
+        {"user_text": SPEC_PROMPTS["turn2_user"], "user_audio_codes": "u2.npy",
+         "assistant_token_ids": [int(i) for i in g["turn2_streamed_text_ids"]]},
+    ]}
+    (tmp_path / "s.json").write_text(json.dumps(script))
+    proc = subprocess.run([sys.executable, "-m", "mossrt.cli", "replay", "--bundle", str(full_bundle_dir),
+                           str(tmp_path / "s.json"), "--out-dir", str(tmp_path / "out"), "--greedy",
+                           "--device", "cpu"], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    for i, key in ((0, "turn1_frames"), (1, "turn2_frames")):
+        codes = np.load(tmp_path / "out" / f"turn{i}_codes.npy")
+        np.testing.assert_array_equal(codes, g[key][:-1])
+        audio, sr = sf.read(tmp_path / "out" / f"turn{i}.wav", dtype="float32")
+        ref = model.codec.decode(codes, 16)
+        assert sr == 24000 and np.abs(audio - ref).max() <= tolerance(ref)
+
+
+def test_replay_cli_deltas_and_errors(tmp_path, full_bundle_dir):
+    g = golden("tts/tts_streaming.npz")
+    ok = {"turns": [{"assistant_deltas": [str(d) for d in g["deltas"]]}]}
+    bad = {"turns": [{"assistant_deltas": ["a"], "assistant_token_ids": [1]}]}
+    for name, script in (("ok", ok), ("bad", bad)):
+        (tmp_path / f"{name}.json").write_text(json.dumps(script))
+    run = lambda name: subprocess.run([sys.executable, "-m", "mossrt.cli", "replay", "--bundle", str(full_bundle_dir),
+                                       str(tmp_path / f"{name}.json"), "--out-dir", str(tmp_path / name), "--greedy",
+                                       "--device", "cpu"], capture_output=True, text=True)
+    proc = run("ok")
+    assert proc.returncode == 0, proc.stderr
+    np.testing.assert_array_equal(np.load(tmp_path / "ok" / "turn0_codes.npy"), g["nonstream_whole_codes"])
+    proc = run("bad")
+    assert proc.returncode == 2 and "exactly one of" in proc.stderr
