@@ -20,7 +20,7 @@ class Checkpoint:
     name read is recorded, so :meth:`check_all_used` can list tensors the exporter did not map.
     """
 
-    def __init__(self, directory: str | Path):
+    def __init__(self, directory: str | Path, progress_bar: bool = False):
         self.dir = Path(directory)
         cfg = self.dir / "config.json"
         if not cfg.is_file():
@@ -38,6 +38,12 @@ class Checkpoint:
             raise CheckpointError(f"{self.dir}: neither model.safetensors nor model.safetensors.index.json")
         self._handles: dict[Path, object] = {}
         self.used: set[str] = set()
+        self._bar = None
+        if progress_bar:  # a bar over the tensors read (the real model takes minutes)
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=len(self._files), unit="tensor", desc=f"export {self.dir.name}", leave=False,
+                             disable=None)  # None: only on a terminal
 
     def names(self) -> list[str]:
         return sorted(self._files)
@@ -56,6 +62,8 @@ class Checkpoint:
 
     def get(self, name: str, dtype=np.float32) -> np.ndarray:
         self._require([name])
+        if self._bar is not None and name not in self.used:
+            self._bar.update(1)
         self.used.add(name)
         array = self._handle(self._files[name]).get_tensor(name)
         return array.astype(dtype, copy=False) if dtype is not None else array
@@ -75,6 +83,8 @@ class Checkpoint:
                 if n.startswith(prefixes) and n not in self.used and not n.startswith(ignore)]
 
     def check_all_used(self, prefixes: tuple[str, ...] = ("",), ignore: tuple[str, ...] = ()) -> None:
+        if self._bar is not None:
+            self._bar.close()
         left = self.unused(prefixes, ignore)
         if left:
             raise CheckpointError(f"{self.dir}: unmapped tensors: {', '.join(left[:20])}"
@@ -86,3 +96,23 @@ def weight_norm(g: np.ndarray, v: np.ndarray) -> np.ndarray:
     g64, v64 = g.astype(np.float64), v.astype(np.float64)
     norm = np.sqrt((v64 ** 2).reshape(v64.shape[0], -1).sum(axis=1)).reshape((-1,) + (1,) * (v.ndim - 1))
     return (g64 * v64 / norm).astype(np.float32)
+
+
+def resolve_checkpoint(spec: str | Path) -> Path:
+    """A local checkpoint directory, or a Hugging Face hub id (``owner/name``) downloaded at the user's
+    site with ``huggingface_hub`` (the ``hub`` extra); this project's own machines cannot reach the hub."""
+    path = Path(spec)
+    if path.exists():
+        return path
+    text = str(spec)
+    if text.count("/") == 1 and not text.startswith((".", "/")):
+        try:
+            from huggingface_hub import snapshot_download
+        except ImportError:
+            raise CheckpointError(f"{text}: no such directory; to download it as a hub id install the 'hub' "
+                                  "extra (pip install 'mossrt[hub]')") from None
+        try:
+            return Path(snapshot_download(text, allow_patterns=["*.json", "*.safetensors", "*.txt"]))
+        except Exception as e:
+            raise CheckpointError(f"{text}: download from the Hugging Face hub failed: {e}") from None
+    raise CheckpointError(f"{text}: no such checkpoint directory")

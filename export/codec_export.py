@@ -13,7 +13,7 @@ from .codec import build_decoder, build_encoder, codec_tensor_names, parse_codec
 
 
 def export_codec(ckpt_dir: str | Path, writer: BundleWriter, dtype: str = "fp32",
-                 progress: Callable[[str], None] = lambda msg: None) -> None:
+                 progress: Callable[[str], None] = lambda msg: None, progress_bar: bool = False) -> None:
     """Write ``codec_encoder.onnx`` and ``codec_decoder.onnx`` and the manifest's ``codec`` section.
 
     Fails before writing anything with the list of missing tensors, and afterwards if the checkpoint
@@ -21,7 +21,7 @@ def export_codec(ckpt_dir: str | Path, writer: BundleWriter, dtype: str = "fp32"
     """
     if dtype not in DTYPES:
         raise ValueError(f"codec dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
-    ckpt = Checkpoint(ckpt_dir)
+    ckpt = Checkpoint(ckpt_dir, progress_bar=progress_bar)
     spec = parse_codec_config(ckpt.config)
     ckpt.require(codec_tensor_names(spec, ckpt))
     weight_dtype = np.dtype(DTYPES[dtype])

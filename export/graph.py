@@ -47,6 +47,22 @@ INT8_BLOCK = 32
 INT8_ACCURACY_LEVEL = 4
 
 
+def quantize_int4_blocks(weight: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray]:
+    """Symmetric 4-bit per block of ``block`` input channels of a ``[out, in]`` weight, in the
+    ``MatMulNBits`` layout: packed ``[out, blocks, block/2]`` uint8 (element 2i in the low nibble, zero
+    point 8) and scales ``[out * blocks]`` (``max|w| / 7`` per block, 0 for an all-zero block)."""
+    n, k = weight.shape
+    blocks = -(-k // block)
+    w = np.zeros((n, blocks * block), np.float32)
+    w[:, :k] = weight
+    w = w.reshape(n, blocks, block)
+    scale = (np.abs(w).max(axis=2, keepdims=True) / np.float32(7.0)).astype(np.float32)
+    q = np.divide(w, scale, out=np.zeros_like(w), where=scale > 0)
+    q = (np.clip(np.rint(q), -8, 7) + 8).astype(np.uint8)
+    packed = (q[..., 0::2] | (q[..., 1::2] << 4)).astype(np.uint8)
+    return packed, scale.reshape(-1)
+
+
 def quantize_int8(array: np.ndarray, axis: int) -> tuple[np.ndarray, np.ndarray]:
     """Symmetric int8 with one float32 scale per index of ``axis``: ``array ≈ q * scale``.
 
@@ -102,8 +118,13 @@ class GraphBuilder:
     """
 
     def __init__(self, name: str, path: Path, weight_dtype: np.dtype = np.dtype(np.float32),
-                 int8_block_size: int = INT8_BLOCK, int8_accuracy_level: int = INT8_ACCURACY_LEVEL):
+                 int8_block_size: int = INT8_BLOCK, int8_accuracy_level: int = INT8_ACCURACY_LEVEL,
+                 matmul_bits: int = 8):
         self.name = name
+        # with weight_dtype int8: 8 = per-channel int8 matmul weights, 4 = per-block int4 (embeddings fp16)
+        if matmul_bits not in (4, 8):
+            raise ValueError(f"matmul_bits must be 4 or 8, got {matmul_bits}")
+        self.matmul_bits = matmul_bits
         self.path = Path(path)
         self.weight_dtype = np.dtype(weight_dtype)
         self.int8_block_size = int8_block_size
@@ -165,13 +186,17 @@ class GraphBuilder:
         if self.weight_dtype != np.int8:
             return self.weight(name + ".weight_t", weight.T, channel_axis=1)
         n, k = weight.shape
-        q, scale = quantize_int8(weight, 0)                                     # per output row
         bs = self.int8_block_size
         blocks = -(-k // bs)
-        packed = np.full((n, blocks * bs), 128, dtype=np.uint8)                 # zero point 128 = 0
-        packed[:, :k] = (q.astype(np.int16) + 128).astype(np.uint8)
-        self.tensor(name + ".q8", packed.reshape(n, blocks, bs))
-        self.tensor(name + ".q8_scale", np.repeat(scale, blocks).astype(np.float32))
+        if self.matmul_bits == 4:
+            packed, scales = quantize_int4_blocks(np.asarray(weight, np.float32), bs)
+        else:
+            q, scale = quantize_int8(weight, 0)                                 # per output row
+            packed = np.full((n, blocks * bs), 128, dtype=np.uint8)             # zero point 128 = 0
+            packed[:, :k] = (q.astype(np.int16) + 128).astype(np.uint8)
+            packed, scales = packed.reshape(n, blocks, bs), np.repeat(scale, blocks).astype(np.float32)
+        self.tensor(name + ".qw", packed)
+        self.tensor(name + ".qw_scale", scales)
         self._nbits[name] = (k, n)
         return name
 
@@ -180,8 +205,8 @@ class GraphBuilder:
         if weight not in self._nbits:
             return self.op("MatMul", [x, weight])
         k, n = self._nbits[weight]
-        return self.op("MatMulNBits", [x, weight + ".q8", weight + ".q8_scale"], domain="com.microsoft",
-                       K=k, N=n, bits=8, block_size=self.int8_block_size,
+        return self.op("MatMulNBits", [x, weight + ".qw", weight + ".qw_scale"], domain="com.microsoft",
+                       K=k, N=n, bits=self.matmul_bits, block_size=self.int8_block_size,
                        accuracy_level=self.int8_accuracy_level)
 
     def embedding(self, ids: str, table: np.ndarray, name: str) -> str:

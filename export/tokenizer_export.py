@@ -26,13 +26,19 @@ SAMPLING_DEFAULTS = {"temperature": 0.8, "top_p": 0.6, "top_k": 30, "repetition_
 PREFILL_TEXT_TOKENS = 12
 
 
-def export_tokenizer(src: str | Path, writer: BundleWriter) -> None:
-    """Copy ``tokenizer.json`` from ``src`` (a directory or the file) and write the manifest's
-    ``tokenizer`` and ``generation`` sections."""
+def find_tokenizer(src: str | Path) -> Path:
+    """``tokenizer.json`` in ``src`` (a directory or the file itself)."""
     src = Path(src)
     path = src / "tokenizer.json" if src.is_dir() else src
     if not path.is_file():
         raise CheckpointError(f"{src}: no tokenizer.json (pass --tokenizer DIR)")
+    return path
+
+
+def export_tokenizer(src: str | Path, writer: BundleWriter) -> None:
+    """Copy ``tokenizer.json`` from ``src`` (a directory or the file) and write the manifest's
+    ``tokenizer`` and ``generation`` sections."""
+    path = find_tokenizer(src)
     tok = Tokenizer.from_file(str(path))
     ids = {}
     for key, text in SPECIAL_TOKENS.items():

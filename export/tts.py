@@ -240,10 +240,10 @@ def past_names(layer: int) -> tuple[str, str]:
 
 
 # ---------------------------------------------------------------------------------------------- backbone
-def build_backbone(ckpt: Checkpoint, cfg: TTSConfig, path: Path, weight_dtype) -> GraphBuilder:
+def build_backbone(ckpt: Checkpoint, cfg: TTSConfig, path: Path, weight_dtype, matmul_bits: int = 8) -> GraphBuilder:
     """grid [B, T, 17] + past_len [B] + KV buffers → hidden [B, T, hidden] + present [L, 2, B, KV, T, D]."""
     s = cfg.backbone
-    gb = GraphBuilder("backbone", path, weight_dtype)
+    gb = GraphBuilder("backbone", path, weight_dtype, matmul_bits=matmul_bits)
     grid = gb.input("grid", INT64, ["batch", "rows", cfg.rvq + 1])
     past_len = gb.input("past_len", INT64, ["batch"])
 
@@ -388,14 +388,14 @@ def _sampling_inputs(gb: GraphBuilder) -> tuple[str, str, str, str]:
 
 
 # ---------------------------------------------------------------------------------------------- depth
-def build_depth(ckpt: Checkpoint, cfg: TTSConfig, path: Path, weight_dtype) -> GraphBuilder:
+def build_depth(ckpt: Checkpoint, cfg: TTSConfig, path: Path, weight_dtype, matmul_bits: int = 8) -> GraphBuilder:
     """One whole frame: hidden [B, hidden] → codes [B, 16] and raw head logits [B, 16, V].
 
     Position 0 is the backbone hidden state, position p >= 1 the local embedding ``p-1`` of code
     ``p-1``; the 16 positions are unrolled and each attends to the K/V of the earlier ones.
     """
     s, V, N = cfg.local, cfg.audio_vocab, cfg.rvq
-    gb = GraphBuilder("depth", path, weight_dtype)
+    gb = GraphBuilder("depth", path, weight_dtype, matmul_bits=matmul_bits)
     x = gb.unsqueeze(gb.input("hidden", FLOAT, ["batch", s.hidden]), [1])              # [B, 1, H]
     history = gb.input("history", INT64, ["batch", "window", N])
     penalty, temperature, top_k, top_p = _sampling_inputs(gb)

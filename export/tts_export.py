@@ -15,12 +15,13 @@ from .tts import (IGNORED_TENSORS, build_backbone, build_depth, build_sampling_f
 # storage of large weights; compute is float32 throughout (but see int8). int8 = weight-only symmetric
 # per-output-channel int8 for matmul weights, as com.microsoft.MatMulNBits (bits 8, accuracy_level 4: on
 # CPU the activations are quantized to int8 per block of 32 inside the kernel); embedding tables stay float16.
-TTS_DTYPES = {"fp32": "float32", "fp16": "float16", "int8": "int8"}
+# int4 = the same with 4-bit weights and one scale per block of 32 input channels (MatMulNBits bits 4).
+TTS_DTYPES = {"fp32": "float32", "fp16": "float16", "int8": "int8", "int4": "int8"}
 GRAPHS = {"backbone": "backbone", "depth": "depth", "sampling_filter": "sampling_filter"}
 
 
 def export_tts(model_dir: str | Path, writer: BundleWriter, dtype: str = "fp32",
-               progress: Callable[[str], None] = lambda msg: None) -> None:
+               progress: Callable[[str], None] = lambda msg: None, progress_bar: bool = False) -> None:
     """Write ``backbone.onnx``, ``depth.onnx``, ``sampling_filter.onnx`` and the manifest's ``tts`` section.
 
     Fails before writing anything with the list of missing (or misshapen) tensors, and afterwards if the
@@ -29,16 +30,17 @@ def export_tts(model_dir: str | Path, writer: BundleWriter, dtype: str = "fp32",
     """
     if dtype not in TTS_DTYPES:
         raise ValueError(f"tts dtype must be one of {sorted(TTS_DTYPES)}, got {dtype!r}")
-    ckpt = Checkpoint(model_dir)
+    ckpt = Checkpoint(model_dir, progress_bar=progress_bar)
     cfg = parse_tts_config(ckpt.config)
     ckpt.require(tts_tensor_names(cfg))
     check_tensor_shapes(ckpt, cfg)
     weight_dtype = np.dtype(TTS_DTYPES[dtype])
+    bits = 4 if dtype == "int4" else 8
     progress(f"tts backbone ({cfg.backbone.layers} layers, {dtype})")
-    writer.add_graph(build_backbone(ckpt, cfg, writer.graph_path(GRAPHS["backbone"]), weight_dtype),
+    writer.add_graph(build_backbone(ckpt, cfg, writer.graph_path(GRAPHS["backbone"]), weight_dtype, bits),
                      "MOSS-TTS-Realtime backbone: grid rows + KV buffer → hidden + new K/V")
     progress(f"tts depth ({cfg.local.layers} local layers x {cfg.rvq} positions, {dtype})")
-    writer.add_graph(build_depth(ckpt, cfg, writer.graph_path(GRAPHS["depth"]), weight_dtype),
+    writer.add_graph(build_depth(ckpt, cfg, writer.graph_path(GRAPHS["depth"]), weight_dtype, bits),
                      "MOSS-TTS-Realtime local transformer: one 16-code frame, sampling inside")
     progress("tts sampling filter")
     writer.add_graph(build_sampling_filter(writer.graph_path(GRAPHS["sampling_filter"]), cfg.audio_vocab, cfg.rvq),

@@ -21,20 +21,24 @@ def _progress(msg: str) -> None:
 # ---------------------------------------------------------------------------------------------- export
 def cmd_export(args) -> None:
     from export.bundle import BundleWriter
+    from export.checkpoint import resolve_checkpoint
     from export.codec_export import export_codec
+    from export.tokenizer_export import export_tokenizer, find_tokenizer
 
     if not args.codec and not args.model:
         raise CliError("export needs --codec CKPT_DIR (and/or --model TTS_CKPT_DIR)")
+    codec_dir = resolve_checkpoint(args.codec) if args.codec else None
+    model_dir = resolve_checkpoint(args.model) if args.model else None
+    tokenizer = find_tokenizer(resolve_checkpoint(args.tokenizer) if args.tokenizer else model_dir) if model_dir else None
     writer = BundleWriter(args.out)
-    if args.codec:
+    if codec_dir:
         codec_dtype = args.dtype if args.dtype in ("fp32", "fp16") else "fp32"
-        export_codec(args.codec, writer, codec_dtype, _progress)
-    if args.model:
-        from export.tokenizer_export import export_tokenizer
+        export_codec(codec_dir, writer, codec_dtype, _progress, progress_bar=True)
+    if model_dir:
         from export.tts_export import export_tts
 
-        export_tts(args.model, writer, args.dtype, _progress)
-        export_tokenizer(args.tokenizer or args.model, writer)
+        export_tts(model_dir, writer, args.dtype, _progress, progress_bar=True)
+        export_tokenizer(tokenizer, writer)
     path = writer.finish()
     _progress(f"bundle written: {path.parent}")
 
@@ -265,19 +269,17 @@ def ensure_demo_bundle(path: Path | None = None) -> Path:
 
 def cmd_demo(args) -> None:
     from engine.bundle import Bundle
-    from engine.codec import Codec, write_audio
+    from engine.codec import write_audio
+    from engine.generate import generate, synthesize
+    from engine.tts import TTSModel
 
     bundle_dir = ensure_demo_bundle(Path(args.bundle) if args.bundle else None)
-    codec = Codec(Bundle(bundle_dir, device=args.device, threads=args.threads))
-    t = np.arange(2 * codec.sample_rate) / codec.sample_rate
-    tone = (0.3 * np.sin(2 * np.pi * 220 * t)).astype(np.float32)
-    codes = codec.encode(tone, codec.sample_rate)
-    dec = codec.streaming_decoder(1, 16)
-    wav = np.concatenate([dec.decode(codes[f:f + 3, :16]) for f in range(0, codes.shape[0], 3)])
-    write_audio(args.out, wav, codec.sample_rate)
-    print(f"demo bundle {bundle_dir}: encoded a 2 s tone to {codes.shape[0]} frames x {codes.shape[1]} codes, "
-          f"streamed it back through the decoder 3 frames per call -> {args.out} "
-          f"(random weights: expect noise)")
+    model = TTSModel(Bundle(bundle_dir, device=args.device, threads=args.threads))
+    gen = generate(model, text=args.text, seed=0, max_frames=args.max_frames)
+    wav = synthesize(model, gen)
+    write_audio(args.out, wav, model.codec.sample_rate)
+    print(f"demo bundle {bundle_dir}: synthesized {gen.codes.shape[0]} frames ({wav.size / model.codec.sample_rate:.2f} s) "
+          f"of {args.text!r} -> {args.out} (random weights: expect noise, not speech)")
 
 
 # ---------------------------------------------------------------------------------------------- parser
@@ -300,8 +302,8 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--seed", type=int, help="makes sampling reproducible (default: random, printed)")
 
     e = sub.add_parser("export", help="upstream checkpoint(s) -> ONNX bundle")
-    e.add_argument("--codec", help="MOSS-Audio-Tokenizer checkpoint directory")
-    e.add_argument("--model", help="MOSS-TTS-Realtime checkpoint directory")
+    e.add_argument("--codec", help="MOSS-Audio-Tokenizer checkpoint directory (or hub id, with the hub extra)")
+    e.add_argument("--model", help="MOSS-TTS-Realtime checkpoint directory (or hub id, with the hub extra)")
     e.add_argument("--tokenizer", help="directory holding tokenizer.json (default: the model directory)")
     e.add_argument("--out", required=True, help="bundle directory to write")
     e.add_argument("--dtype", default="fp32", choices=["fp32", "fp16", "int8", "int4"],
@@ -344,8 +346,10 @@ def build_parser() -> argparse.ArgumentParser:
     runtime_flags(bs)
     bs.set_defaults(func=cmd_bench_synth)
 
-    d = sub.add_parser("demo", help="build the built-in demo bundle and run the codec on it")
+    d = sub.add_parser("demo", help="build the built-in demo bundle and synthesize with it")
     d.add_argument("--bundle", help="demo bundle directory (default ~/.cache/mossrt/demo-bundle)")
+    d.add_argument("--text", default="Hello from mossrt, the streaming speech service.")
+    d.add_argument("--max-frames", type=int, default=25)
     d.add_argument("--out", default="demo.wav")
     runtime_flags(d)
     d.set_defaults(func=cmd_demo)

@@ -71,6 +71,11 @@ def tts_bundle_dir_int8(tmp_path_factory) -> Path:
     return _export_tts_bundle(tmp_path_factory, "int8")
 
 
+@pytest.fixture(scope="session")
+def tts_bundle_dir_int4(tmp_path_factory) -> Path:
+    return _export_tts_bundle(tmp_path_factory, "int4")
+
+
 # ---------------------------------------------------------------------------------------------- full bundle
 # Codec + TTS + tokenizer from the golden checkpoints: what the engine (generation, sessions) runs on.
 @pytest.fixture(scope="session")

@@ -27,4 +27,6 @@ def test_demo_command(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "expect noise" in proc.stdout
     info = sf.info(out)
-    assert info.samplerate == 24000 and info.frames == 25 * 1920
+    assert info.samplerate == 24000 and info.frames == 25 * 1920  # random weights: runs to the frame limit
+    manifest = json.loads((tmp_path / "demo" / "manifest.json").read_text())
+    assert {"codec_encoder", "codec_decoder", "backbone", "depth"} <= set(manifest["graphs"])

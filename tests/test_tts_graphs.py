@@ -376,12 +376,18 @@ def _agreement(bundle_dir) -> dict:
     return {"teacher_forced": tf / n_codes, "codebook0": tf0 / n_frames, "free_running": free / n_codes}
 
 
+# int4 (4-bit, one scale per block of 32 inputs) on this hidden-32 random model: 12.8% / 67.6% / 1.7%;
+# real-model quality cannot be measured here (no trained weights), see the README.
+INT4_FLOOR, INT4_FLOOR0 = 0.10, 0.60
+
+
 # Floors a little under what set-a measures (teacher_forced / codebook0 / free_running):
 # fp16 98.3% / 99.1% / 90.3%, int8 73.5% / 97.2% / 4.1%. The tiny random-weight model is very sensitive:
 # the smallest golden top-2 margins are ~1e-3, int8 per-channel scales over 32..96 inputs give ~3%
 # hidden-state error, and every flipped code changes all later inputs of the frame (and of the run).
 @pytest.mark.parametrize("dtype,floors", [("fp16", {"teacher_forced": 0.95, "codebook0": 0.97, "free_running": 0.85}),
-                                          ("int8", {"teacher_forced": 0.62, "codebook0": 0.92})])
+                                          ("int8", {"teacher_forced": 0.62, "codebook0": 0.92}),
+                                          ("int4", {"teacher_forced": INT4_FLOOR, "codebook0": INT4_FLOOR0})])
 def test_reduced_precision_agreement(request, dtype, floors):
     bundle_dir = request.getfixturevalue(f"tts_bundle_dir_{dtype}")
     rates = _agreement(bundle_dir)
@@ -418,13 +424,35 @@ def test_int8_matmul_weight(tmp_path, level):
         assert (np.abs(y - exact) <= 0.02 * mag + 1e-6).all()
 
 
+def test_int4_matmul_weight(tmp_path):
+    """4-bit MatMulNBits weights: symmetric per block of 32 inputs, packed two per byte (low nibble first)."""
+    from onnx import TensorProto
+
+    from export.graph import GraphBuilder, quantize_int4_blocks
+
+    rng = np.random.default_rng(1)
+    w = (rng.standard_normal((5, 70)) * np.array([1e-3, 1, 10, 0, 100])[:, None]).astype(np.float32)
+    gb = GraphBuilder("q4", tmp_path / "q4.onnx", np.int8, int8_accuracy_level=1, matmul_bits=4)
+    x = gb.input("x", TensorProto.FLOAT, [3, 70])
+    gb.output(gb.matmul(x, gb.matmul_weight(w, "w")), "y", TensorProto.FLOAT, [3, 5])
+    gb.save()
+    xv = rng.standard_normal((3, 70)).astype(np.float32)
+    y = ort.InferenceSession(str(tmp_path / "q4.onnx"), providers=["CPUExecutionProvider"]).run(None, {"x": xv})[0]
+    packed, scales = quantize_int4_blocks(w, 32)
+    assert packed.shape == (5, 3, 16) and scales.shape == (15,)
+    q = np.stack([packed & 15, packed >> 4], -1).reshape(5, 3, 32).astype(np.float32) - 8
+    deq = (q * scales.reshape(5, 3, 1)).reshape(5, 96)[:, :70]
+    np.testing.assert_allclose(y, xv @ deq.T, rtol=1e-5, atol=1e-5)
+    assert np.abs(deq - w).max() <= np.abs(w).max(axis=1).max() / 14 + 1e-6  # half a step of the largest scale
+
+
 def test_int8_storage(tts_bundle_dir, tts_bundle_dir_int8):
     import onnx
 
     model = onnx.load(str(tts_bundle_dir_int8 / "backbone.onnx"), load_external_data=False)
     dtypes = {t.name: t.data_type for t in model.graph.initializer}
-    assert dtypes["language_model.layers.0.self_attn.q_proj.q8"] == onnx.TensorProto.UINT8
-    assert dtypes["language_model.layers.0.self_attn.q_proj.q8_scale"] == onnx.TensorProto.FLOAT
+    assert dtypes["language_model.layers.0.self_attn.q_proj.qw"] == onnx.TensorProto.UINT8
+    assert dtypes["language_model.layers.0.self_attn.q_proj.qw_scale"] == onnx.TensorProto.FLOAT
     assert dtypes["embed_tokens.0.stored"] == onnx.TensorProto.FLOAT16
     assert not [t.name for t in model.graph.initializer if t.data_type == onnx.TensorProto.FLOAT and len(t.dims) == 2]
     ops = {n.op_type for n in model.graph.node}

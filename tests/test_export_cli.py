@@ -1,0 +1,51 @@
+"""`mossrt export` for a whole TTS bundle: graphs, tokenizer, manifest sections, and its errors."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+from conftest import GOLDEN
+
+
+def mossrt(*args):
+    return subprocess.run([sys.executable, "-m", "mossrt.cli", *map(str, args)], capture_output=True, text=True)
+
+
+def test_export_full_bundle_cli(tmp_path):
+    from export.demo import TOKENIZER_JSON
+
+    tok_dir = tmp_path / "tok"
+    tok_dir.mkdir()
+    shutil.copy(TOKENIZER_JSON, tok_dir / "tokenizer.json")
+    proc = mossrt("export", "--model", GOLDEN / "checkpoints/tts", "--codec", GOLDEN / "checkpoints/codec",
+                  "--tokenizer", tok_dir, "--out", tmp_path / "b", "--dtype", "fp16")
+    assert proc.returncode == 0, proc.stderr
+    m = json.loads((tmp_path / "b" / "manifest.json").read_text())
+    assert {"codec_encoder", "codec_decoder", "backbone", "depth", "sampling_filter"} <= set(m["graphs"])
+    assert m["tts"]["dtype"] == "fp16" and m["codec"]["dtype"] == "fp16"
+    assert m["tokenizer"]["special_ids"] == {"im_start": 151644, "im_end": 151645, "endoftext": 151643,
+                                             "audio_pad": 151654, "text_pad": 151655}
+    assert m["generation"]["sampling_defaults"] == {"temperature": 0.8, "top_p": 0.6, "top_k": 30,
+                                                    "repetition_penalty": 1.1, "repetition_window": 50}
+    assert "tokenizer.json" in m["files"]
+
+
+def test_export_errors(tmp_path):
+    proc = mossrt("export", "--out", tmp_path / "b")
+    assert proc.returncode == 2 and "--codec" in proc.stderr
+    proc = mossrt("export", "--model", GOLDEN / "checkpoints/tts", "--out", tmp_path / "b")  # no tokenizer.json there
+    assert proc.returncode == 2 and "tokenizer.json" in proc.stderr
+    proc = mossrt("export", "--model", tmp_path / "nowhere", "--out", tmp_path / "b")
+    assert proc.returncode == 2 and "no such checkpoint directory" in proc.stderr
+
+
+def test_hub_id_needs_the_hub_extra(tmp_path):
+    import importlib.util
+
+    proc = mossrt("export", "--model", "OpenMOSS-Team/MOSS-TTS-Realtime", "--out", tmp_path / "b")
+    assert proc.returncode == 2
+    if importlib.util.find_spec("huggingface_hub") is None:
+        assert "hub" in proc.stderr and "Traceback" not in proc.stderr
