@@ -243,7 +243,7 @@ class GraphBuilder:
     # ------------------------------------------------------------------ op families
     def linear(self, x: str, weight: np.ndarray, name: str, bias: np.ndarray | None = None) -> str:
         """``x @ weight.T (+ bias)`` for a torch-layout ``[out, in]`` weight."""
-        y = self.op("MatMul", [x, self.weight(name + ".weight_t", np.asarray(weight).T)])
+        y = self.matmul(x, self.matmul_weight(np.asarray(weight), name))
         if bias is not None:
             y = self.op("Add", [y, self.weight(name + ".bias", bias)])
         return y

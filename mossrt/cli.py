@@ -32,7 +32,7 @@ def cmd_export(args) -> None:
     tokenizer = find_tokenizer(resolve_checkpoint(args.tokenizer) if args.tokenizer else model_dir) if model_dir else None
     writer = BundleWriter(args.out)
     if codec_dir:
-        codec_dtype = args.dtype if args.dtype in ("fp32", "fp16") else "fp32"
+        codec_dtype = args.codec_dtype or (args.dtype if args.dtype in ("fp32", "fp16") else "fp32")
         export_codec(codec_dir, writer, codec_dtype, _progress, progress_bar=True)
     if model_dir:
         from export.tts_export import export_tts
@@ -307,7 +307,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--tokenizer", help="directory holding tokenizer.json (default: the model directory)")
     e.add_argument("--out", required=True, help="bundle directory to write")
     e.add_argument("--dtype", default="fp32", choices=["fp32", "fp16", "int8", "int4"],
-                   help="weight storage type (the codec supports fp32/fp16; int8/int4 apply to the TTS graphs)")
+                   help="weight storage type of the TTS graphs (and of the codec when fp32/fp16)")
+    e.add_argument("--codec-dtype", choices=["fp32", "fp16"],
+                   help="codec weight storage (default: --dtype if fp32/fp16, else fp32)")
     e.set_defaults(func=cmd_export)
 
     c = sub.add_parser("codec", help="run the codec of a bundle")
