@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 FIXTURES = Path(__file__).parent / "fixtures"
+# The provider the parity tests run on: cpu here and in CI; MOSSRT_TEST_DEVICE=cuda on a GPU machine
+# (with onnxruntime-gpu) runs the same golden comparisons on the CUDA provider.
+TEST_DEVICE = os.environ.get("MOSSRT_TEST_DEVICE", "cpu")
 GOLDEN = FIXTURES / "set-a"
 
 
@@ -37,7 +41,7 @@ def codec(codec_bundle_dir):
     from engine.bundle import Bundle
     from engine.codec import Codec
 
-    return Codec(Bundle(codec_bundle_dir, device="cpu"))
+    return Codec(Bundle(codec_bundle_dir, device=TEST_DEVICE))
 
 
 # ---------------------------------------------------------------------------------------------- TTS graphs
@@ -100,4 +104,4 @@ def model(full_bundle_dir):
     from engine.bundle import Bundle
     from engine.tts import TTSModel
 
-    return TTSModel(Bundle(full_bundle_dir, device="cpu"))
+    return TTSModel(Bundle(full_bundle_dir, device=TEST_DEVICE))

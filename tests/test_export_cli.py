@@ -49,3 +49,43 @@ def test_hub_id_needs_the_hub_extra(tmp_path):
     assert proc.returncode == 2
     if importlib.util.find_spec("huggingface_hub") is None:
         assert "hub" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_sharded_bf16_tts_checkpoint(tmp_path):
+    """A bf16 checkpoint split over shards (as published models often are) exports and runs; with
+    bf16-rounded weights greedy decoding still follows the float32 goldens for its first frames."""
+    import ml_dtypes
+    import numpy as np
+    from safetensors.numpy import load_file, save_file
+
+    from conftest import golden
+    from engine.bundle import Bundle
+    from engine.generate import generate
+    from engine.tts import TTSModel
+    from export.bundle import BundleWriter
+    from export.codec_export import export_codec
+    from export.demo import TOKENIZER_JSON
+    from export.tokenizer_export import export_tokenizer
+    from export.tts_export import export_tts
+
+    ckpt = tmp_path / "tts"
+    ckpt.mkdir()
+    shutil.copy(GOLDEN / "checkpoints/tts/config.json", ckpt)
+    tensors = {k: v.astype(ml_dtypes.bfloat16) for k, v in load_file(GOLDEN / "checkpoints/tts/model.safetensors").items()}
+    names = sorted(tensors)
+    shards = {f"model-0000{i + 1}-of-00003.safetensors": names[i::3] for i in range(3)}
+    for fname, part in shards.items():
+        save_file({k: tensors[k] for k in part}, ckpt / fname)
+    (ckpt / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {k: f for f, part in shards.items() for k in part}}))
+    writer = BundleWriter(tmp_path / "b")
+    export_codec(GOLDEN / "checkpoints/codec", writer)
+    export_tts(ckpt, writer)
+    export_tokenizer(TOKENIZER_JSON, writer)
+    writer.finish()
+    model = TTSModel(Bundle(tmp_path / "b", device="cpu"))
+    g = golden("tts/tts_text_only.npz")
+    gen = generate(model, text_ids=g["text_ids"], params=model.default_sampling(greedy=True, repetition_penalty=1.0),
+                   max_frames=3)
+    assert gen.codes.shape == (3, 16)
+    assert (gen.codes[0] == g["greedy_codes"][0]).mean() >= 0.5

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import soundfile as sf
 
-from conftest import golden, tolerance
+from conftest import TEST_DEVICE, golden, tolerance
 
 SPEC_PROMPTS = {
     "turn1_user": "Hey, I just landed in Paris. I have about six hours before my next flight. Any ideas?",
@@ -303,7 +303,7 @@ def test_replay_cli_multiturn(tmp_path, full_bundle_dir, model):
     (tmp_path / "s.json").write_text(json.dumps(script))
     proc = subprocess.run([sys.executable, "-m", "mossrt.cli", "replay", "--bundle", str(full_bundle_dir),
                            str(tmp_path / "s.json"), "--out-dir", str(tmp_path / "out"), "--greedy",
-                           "--device", "cpu"], capture_output=True, text=True)
+                           "--device", TEST_DEVICE], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     for i, key in ((0, "turn1_frames"), (1, "turn2_frames")):
         codes = np.load(tmp_path / "out" / f"turn{i}_codes.npy")
@@ -321,7 +321,7 @@ def test_replay_cli_deltas_and_errors(tmp_path, full_bundle_dir):
         (tmp_path / f"{name}.json").write_text(json.dumps(script))
     run = lambda name: subprocess.run([sys.executable, "-m", "mossrt.cli", "replay", "--bundle", str(full_bundle_dir),
                                        str(tmp_path / f"{name}.json"), "--out-dir", str(tmp_path / name), "--greedy",
-                                       "--device", "cpu"], capture_output=True, text=True)
+                                       "--device", TEST_DEVICE], capture_output=True, text=True)
     proc = run("ok")
     assert proc.returncode == 0, proc.stderr
     np.testing.assert_array_equal(np.load(tmp_path / "ok" / "turn0_codes.npy"), g["nonstream_whole_codes"])

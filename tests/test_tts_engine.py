@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import soundfile as sf
 
-from conftest import GOLDEN, golden, tolerance
+from conftest import TEST_DEVICE, GOLDEN, golden, tolerance
 
 CASES = ["text_only", "voice_clone"]
 TEXTS = {"text_only": "Welcome to the world of MOSS TTS Realtime. Experience how text transforms into smooth, "
@@ -79,7 +79,7 @@ def test_synth_greedy_waveform_equals_one_pass_decode(full_bundle_dir, model, tm
     g = golden("tts/tts_text_only.npz")
     out, codes_out = tmp_path / "s.wav", tmp_path / "c.npy"
     proc = mossrt("synth", "--bundle", full_bundle_dir, "--text", TEXTS["text_only"], "--out", out,
-                  "--greedy", "--repetition-penalty", "1.0", "--codes-out", codes_out, "--device", "cpu")
+                  "--greedy", "--repetition-penalty", "1.0", "--codes-out", codes_out, "--device", TEST_DEVICE)
     assert proc.returncode == 0, proc.stderr
     np.testing.assert_array_equal(np.load(codes_out), g["greedy_codes"])
     audio, sr = sf.read(out, dtype="float32")
@@ -94,7 +94,7 @@ def test_voice_codes_file(full_bundle_dir, tmp_path):
     np.save(tmp_path / "v.npy", golden("codec/codec_short.npz")["enc_codes"].T)  # [frames, 32]: first 16 used
     proc = mossrt("synth", "--bundle", full_bundle_dir, "--text", TEXTS["voice_clone"], "--out", tmp_path / "o.wav",
                   "--voice-codes", tmp_path / "v.npy", "--greedy", "--repetition-penalty", "1.0",
-                  "--codes-out", tmp_path / "c.npy", "--device", "cpu")
+                  "--codes-out", tmp_path / "c.npy", "--device", TEST_DEVICE)
     assert proc.returncode == 0, proc.stderr
     np.testing.assert_array_equal(np.load(tmp_path / "c.npy"), g["greedy_codes"])
 
@@ -154,7 +154,7 @@ def test_sampled_lengths_consistent_with_upstream(model):
     (["--text", "hi", "--seed", "-3"], "seed"),
 ])
 def test_synth_rejects_bad_settings(full_bundle_dir, tmp_path, flags, message):
-    proc = mossrt("synth", "--bundle", full_bundle_dir, "--out", tmp_path / "o.wav", "--device", "cpu", *flags)
+    proc = mossrt("synth", "--bundle", full_bundle_dir, "--out", tmp_path / "o.wav", "--device", TEST_DEVICE, *flags)
     assert proc.returncode == 2, proc.stderr
     assert message in proc.stderr and "Traceback" not in proc.stderr
     assert not (tmp_path / "o.wav").exists()
@@ -170,14 +170,14 @@ def test_synth_rejects_bad_settings(full_bundle_dir, tmp_path, flags, message):
 def test_synth_rejects_bad_voice_codes(full_bundle_dir, tmp_path, codes, message):
     np.save(tmp_path / "v.npy", codes)
     proc = mossrt("synth", "--bundle", full_bundle_dir, "--text", "hello", "--out", tmp_path / "o.wav",
-                  "--voice-codes", tmp_path / "v.npy", "--device", "cpu")
+                  "--voice-codes", tmp_path / "v.npy", "--device", TEST_DEVICE)
     assert proc.returncode == 2 and message in proc.stderr, proc.stderr
 
 
 def test_synth_rejects_unreadable_voice(full_bundle_dir, tmp_path):
     (tmp_path / "v.wav").write_bytes(b"definitely not a wav file")
     proc = mossrt("synth", "--bundle", full_bundle_dir, "--text", "hello", "--out", tmp_path / "o.wav",
-                  "--voice", tmp_path / "v.wav", "--device", "cpu")
+                  "--voice", tmp_path / "v.wav", "--device", TEST_DEVICE)
     assert proc.returncode == 2 and "not a readable audio file" in proc.stderr
 
 
