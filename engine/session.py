@@ -63,7 +63,7 @@ class TurnStats:
     frames: int = 0
     stalls: int = 0          # step() calls that found no committed id while text could still come
     dropped_frames: int = 0  # non-EOS frames with non-codec codes (no audio)
-    finish_reason: str | None = None  # "eos", "max_frames", "context_limit", "cancelled"
+    finish_reason: str | None = None  # "eos", "max_frames", "context_limit", "cancelled", "no_text"
     prefill_rows: int = 0
 
 
@@ -74,6 +74,7 @@ class _Turn:
     pending: list[int] = field(default_factory=list)   # committed ids not yet fed
     frames: list[np.ndarray] = field(default_factory=list)
     text_ended: bool = False
+    input_kind: str | None = None   # "text" or "ids": a turn takes one kind of assistant input
     max_frames: int | None = None
     stats: TurnStats = field(default_factory=TurnStats)
 
@@ -157,14 +158,14 @@ class StreamingSession:
     def push_text(self, delta: str | bytes) -> list[Frame]:
         """Add assistant text (any split, bytes may cut UTF-8 characters); returns the frames it yields."""
         self._require_text_open()
+        self._set_input_kind("text")
         return self._feed(self._turn.committer.push(delta))
 
     def push_token_ids(self, ids) -> list[Frame]:
         """Add assistant token ids (fed exactly as given)."""
         self._require_text_open()
-        if self._turn.committer.committed or self._turn.committer.pending_text:
-            raise InputError("this turn already takes text deltas; do not mix them with token ids")
-        arr = self.model.check_text_ids(list(ids))
+        arr = self.model.check_text_ids(ids)
+        self._set_input_kind("ids")
         return self._feed([int(i) for i in arr], from_ids=True)
 
     def end_text(self) -> list[Frame]:
@@ -187,7 +188,7 @@ class StreamingSession:
             t.stats.stalls += 1
             return []
         if self.state is TurnState.WAITING:  # ended with no text at all
-            self._finish("eos")
+            self._finish("no_text")
             return []
         return self._advance(self.model.ids.text_pad)
 
@@ -229,7 +230,7 @@ class StreamingSession:
                 return out
             if not t.pending:
                 if t.text_ended:
-                    self._finish("eos")
+                    self._finish("no_text")
                 return out
             out += self._prefill()
         while t.pending and self.state is TurnState.RUNNING:
@@ -290,6 +291,13 @@ class StreamingSession:
         self._turn.stats.finish_reason = reason
         self._turn.pending = []
         self.state = TurnState.DONE
+
+    def _set_input_kind(self, kind: str) -> None:
+        t = self._turn
+        if t.input_kind not in (None, kind):
+            raise InputError(f"this turn already takes {'text deltas' if t.input_kind == 'text' else 'token ids'}; "
+                             "do not mix text deltas and token ids in one turn")
+        t.input_kind = kind
 
     def _require_open(self) -> None:
         if self.cache is None:

@@ -117,12 +117,18 @@ class TTSModel:
         return BackboneCache(c["layers"], c["kv_heads"], c["head_dim"], batch, max_rows)
 
     def check_text_ids(self, ids) -> np.ndarray:
-        arr = np.asarray(ids, dtype=np.int64) if len(ids) else np.zeros(0, np.int64)
-        if arr.ndim != 1:
-            raise InputError("token ids must be a flat list")
-        if arr.size and (arr.min() < 0 or arr.max() >= self.vocab):
+        """Token ids as a flat int64 array, each a valid row of the text embedding."""
+        try:
+            arr = np.asarray(list(ids))
+        except TypeError:
+            raise InputError("token ids must be a list of integers") from None
+        if arr.size == 0:
+            return np.zeros(0, np.int64)
+        if arr.ndim != 1 or arr.dtype == np.bool_ or not np.issubdtype(arr.dtype, np.integer):
+            raise InputError("token ids must be a flat list of integers")
+        if arr.min() < 0 or arr.max() >= self.vocab:
             raise InputError(f"token ids must lie in 0..{self.vocab - 1}")
-        return arr
+        return arr.astype(np.int64)
 
     # ------------------------------------------------------------------ graph calls
     def backbone(self, grid: np.ndarray, cache: BackboneCache) -> np.ndarray:

@@ -180,6 +180,8 @@ def cmd_replay(args) -> None:
     for i, turn in enumerate(script["turns"]):
         if not isinstance(turn, dict):
             raise CliError(f"turn {i}: must be an object")
+        if not isinstance(turn.get("user_text") or "", str):
+            raise CliError(f"turn {i}: user_text must be a string")
         has_deltas, has_ids = "assistant_deltas" in turn, "assistant_token_ids" in turn
         if has_deltas == has_ids:
             raise CliError(f"turn {i}: give exactly one of assistant_deltas / assistant_token_ids")

@@ -228,6 +228,20 @@ def test_context_limit(model):
         s.begin_turn(user_text="more")
 
 
+def test_ids_then_text_is_refused_and_empty_turn_ends(model):
+    from engine.errors import InputError
+
+    s = new_session(model)
+    s.begin_turn()
+    s.push_token_ids([9707])
+    with pytest.raises(InputError, match="do not mix"):
+        s.push_text("more")
+    s.cancel()
+    s.begin_turn()
+    assert s.end_text() == [] and s.turn_done and s.stats.finish_reason == "no_text"
+    assert s.context_rows == 0   # nothing was fed
+
+
 def test_frame_limit_per_turn(model):
     s = new_session(model)
     s.begin_turn(max_frames=5)
@@ -248,6 +262,10 @@ def test_bad_input_errors(model):
         s.push_token_ids([model.vocab + 5])
     with pytest.raises(InputError, match="token ids must lie"):
         s.push_token_ids([-1])
+    with pytest.raises(InputError, match="list of integers"):
+        s.push_token_ids([1.5, 2.0])
+    with pytest.raises(InputError, match="list of integers"):
+        s.push_token_ids(["a"])
     s.push_text("Hello")
     with pytest.raises(InputError, match="do not mix"):
         s.push_token_ids([1, 2])
