@@ -8,12 +8,15 @@ import time
 import numpy as np
 
 from .codec import Codec
+from .errors import InputError
 
 
 def bench_codec(codec: Codec, frames: int = 24, repeats: int = 3, chunk_sizes=(1, 3, 6),
                 n_quantizers: int = 16, seed: int = 0) -> dict:
     """ms per frame of streaming decode at each chunk size and of one-pass decode over the same frames,
     the streaming/one-pass ratio, host time outside ``session.run`` as a share, and KV bytes per stream."""
+    if frames < 1 or repeats < 1:
+        raise InputError("bench codec needs frames >= 1 and repeats >= 1")
     rng = np.random.default_rng(seed)
     codes = rng.integers(0, codec.codebook_size, size=(frames, n_quantizers), dtype=np.int64)
     codec.decode(codes[:2], n_quantizers)  # warm-up: session creation, first-run allocations
@@ -70,51 +73,54 @@ BENCH_TEXT = ("Welcome to the world of MOSS TTS Realtime. Experience how text tr
 
 
 def peak_rss_bytes() -> int:
-    import resource
+    import resource  # Unix only, like the service images
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
 def bench_synth(model, frames: int = 16, repeats: int = 3, seed: int = 0) -> dict:
-    """Per-frame cost of each stage of offline synthesis (median over repeats, first run is warm-up):
-    backbone prefill per prompt row, backbone step, depth loop, codec (1 frame per call), the real-time
-    factor of their sum, the host share (wall time outside ``session.run``) and peak RSS."""
-    import time as _time
+    """Per-frame cost of each stage of synthesis (median over repeats, after a warm-up run): backbone
+    prefill per prompt row, backbone step, depth loop and TTS frame interval (all after frame 0), codec
+    (1 frame per call), the real-time factor, the host share (wall time outside ``session.run`` in the
+    frame loop) and peak RSS. Runs a streaming session fed the text's ids, as a voice agent would."""
+    from .session import StreamingSession, playable
 
-    from .generate import generate_frames, playable_prefix
-
+    if frames < 2 or repeats < 1:
+        raise InputError("bench synth needs frames >= 2 and repeats >= 1")
     ids = model.tokenizer.encode(BENCH_TEXT)
-    params = model.default_sampling()
+    n0 = model.ids.prefill_text_tokens
     runs = []
-    for rep in range(repeats + 1):
-        model.backbone_timing.__init__()
-        model.depth_timing.__init__()
-        gen = generate_frames(model, ids, None, params, seed, max_frames=frames)
-        t0 = _time.perf_counter()
-        first = next(gen)
-        prefill_rows = model.prompt.tts_prompt().shape[0] + min(len(ids), model.ids.prefill_text_tokens)
-        prefill_s = model.backbone_timing.total_s
-        prefill_run = model.backbone_timing.run_s
-        depth_first_run = model.depth_timing.run_s
-        t1 = _time.perf_counter()
-        produced = [first] + list(gen)
-        loop_s = _time.perf_counter() - t1
+    for _ in range(repeats + 1):
+        bt, dt = model.backbone_timing, model.depth_timing
+        bt.__init__()
+        dt.__init__()
+        s = StreamingSession(model, seed=seed, decode_audio=False)
+        s.begin_turn(max_frames=frames)
+        t0 = time.perf_counter()
+        produced = s.push_token_ids(ids[:n0])                      # prefill -> frame 0
+        t1 = time.perf_counter()
+        prefill_rows, first = s.stats.prefill_rows, (bt.total_s, bt.run_s, dt.total_s, dt.run_s)
+        for token in ids[n0:]:
+            produced += s.push_token_ids([token])
+        produced += s.end_text() + s.drain()
+        loop_s = time.perf_counter() - t1
         steps = len(produced) - 1
-        codes = playable_prefix(np.stack(produced).astype(np.int64), model.codec.codebook_size)
+        s.close()
+        codes = [f.codes for f in produced if not f.eos and playable(f.codes, model.codec.codebook_size)]
         dec = model.codec.streaming_decoder(1, model.ids.rvq)
-        tc = _time.perf_counter()
-        for f in range(codes.shape[0]):
-            dec.decode_checked(model.codec.check_codes(codes[f:f + 1], model.ids.rvq))
-        codec_s = _time.perf_counter() - tc
-        inside = (model.backbone_timing.run_s - prefill_run) + (model.depth_timing.run_s - depth_first_run)
+        tc = time.perf_counter()
+        for c in codes:
+            dec.decode_checked(model.codec.check_codes(c[None], model.ids.rvq))
+        codec_s = time.perf_counter() - tc
+        inside = (bt.run_s - first[1]) + (dt.run_s - first[3])
         runs.append({
-            "prefill_ms_per_row": 1000 * prefill_s / prefill_rows,
+            "prefill_ms_per_row": 1000 * first[0] / prefill_rows,
             "prefill_rows": prefill_rows,
             "first_frame_ms": 1000 * (t1 - t0),
-            "backbone_step_ms": 1000 * (model.backbone_timing.total_s - prefill_s) / max(steps, 1),
-            "depth_ms": 1000 * model.depth_timing.total_s / len(produced),
-            "codec_ms": 1000 * codec_s / max(codes.shape[0], 1),
-            "frame_ms": 1000 * loop_s / max(steps, 1),
+            "backbone_step_ms": 1000 * (bt.total_s - first[0]) / steps,
+            "depth_ms": 1000 * (dt.total_s - first[2]) / steps,
+            "codec_ms": 1000 * codec_s / max(len(codes), 1),
+            "frame_ms": 1000 * loop_s / steps,
             "host_share": (loop_s - inside) / loop_s if loop_s else 0.0,
         })
     med = {k: statistics.median(r[k] for r in runs[1:]) for k in runs[0]}

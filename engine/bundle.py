@@ -52,6 +52,8 @@ class Bundle:
         self.providers = resolve_providers(device)
         self.device = "cuda" if self.providers[0].startswith("CUDA") else "cpu"
         self.threads = threads if threads is not None else int(os.environ.get("MOSSRT_THREADS", "0"))
+        if not isinstance(self.threads, int) or not 0 <= self.threads <= 256:
+            raise BundleError(f"threads must be an integer in 0..256 (0 = all cores), got {self.threads!r}")
         self._sessions: dict[str, ort.InferenceSession] = {}
 
     def has_graph(self, name: str) -> bool:

@@ -124,14 +124,25 @@ class Codec:
     def streaming_decoder(self, batch_size: int = 1, n_quantizers: int = 16) -> "StreamingDecoder":
         return StreamingDecoder(self, batch_size, n_quantizers)
 
-    def decode(self, codes, n_quantizers: int | None = None, max_frames_per_call: int = MAX_FRAMES_PER_CALL) -> np.ndarray:
-        """Codes ``[frames, K]`` → waveform ``[frames * 1920]`` float32 using the first n_quantizers (default K)."""
+    def decode(self, codes, n_quantizers: int | None = None, max_frames_per_call: int = MAX_FRAMES_PER_CALL,
+               schedule: list[int] | None = None) -> np.ndarray:
+        """Codes ``[frames, K]`` → waveform ``[frames * 1920]`` float32 using the first n_quantizers (default K).
+
+        The frames go through the streaming decoder in calls of ``max_frames_per_call`` frames, or of the
+        ``schedule``'s sizes (its last size repeats); the audio is the same for every chunking.
+        """
         arr = np.asarray(codes)
         nq = self.check_n_quantizers(self.default_n_quantizers(arr) if n_quantizers is None else n_quantizers)
         checked = self.check_codes(arr, nq)
+        sizes = list(schedule) if schedule else [max_frames_per_call]
+        if any(not isinstance(n, (int, np.integer)) or n < 1 for n in sizes):
+            raise InputError(f"chunk sizes must be integers >= 1, got {sizes}")
         dec = self.streaming_decoder(1, nq)
-        parts = [dec.decode_checked(checked[:, i:i + max_frames_per_call])
-                 for i in range(0, checked.shape[1], max_frames_per_call)]
+        parts, f = [], 0
+        while f < checked.shape[1]:
+            n = sizes[min(len(parts), len(sizes) - 1)]
+            parts.append(dec.decode_checked(checked[:, f:f + n]))
+            f += n
         return np.concatenate(parts, 1)[0]
 
 
@@ -231,7 +242,10 @@ def read_audio(path: str | Path) -> tuple[np.ndarray, int]:
 
 def write_audio(path: str | Path, wav: np.ndarray, sample_rate: int, pcm16: bool = False) -> None:
     """WAV as 32-bit float (exact) or 16-bit PCM (clipped to [-1, 1])."""
-    if pcm16:
-        sf.write(str(path), np.clip(wav, -1.0, 1.0), sample_rate, subtype="PCM_16")
-    else:
-        sf.write(str(path), wav.astype(np.float32), sample_rate, subtype="FLOAT")
+    try:
+        if pcm16:
+            sf.write(str(path), np.clip(wav, -1.0, 1.0), sample_rate, subtype="PCM_16")
+        else:
+            sf.write(str(path), wav.astype(np.float32), sample_rate, subtype="FLOAT")
+    except (sf.LibsndfileError, OSError) as e:
+        raise InputError(f"{path}: cannot write the audio file ({e})") from None

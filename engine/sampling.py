@@ -8,6 +8,8 @@ import numpy as np
 
 from .errors import InputError
 
+MAX_REPETITION_WINDOW = 4096  # longer than any turn; bounds the per-frame history the host builds
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -51,8 +53,9 @@ class SamplingParams:
         if self.repetition_penalty <= 0:
             raise InputError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
         if not isinstance(self.repetition_window, (int, np.integer)) or isinstance(self.repetition_window, bool) \
-                or self.repetition_window < 1:
-            raise InputError(f"repetition_window must be an integer >= 1, got {self.repetition_window!r}")
+                or not 1 <= self.repetition_window <= MAX_REPETITION_WINDOW:
+            raise InputError(f"repetition_window must be an integer in 1..{MAX_REPETITION_WINDOW}, "
+                             f"got {self.repetition_window!r}")
         return self
 
     @property

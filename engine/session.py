@@ -30,13 +30,33 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .errors import InputError
-from .generate import default_max_frames
 from .prompt import USER_END_ASSISTANT
 from .sampling import FrameRandom, SamplingParams
 from .textstream import TextCommitter
 from .tts import BackboneCache, ContextLimitError, TTSModel
 
 DEFAULT_MAX_CONTEXT_ROWS = 8192
+HARD_MAX_FRAMES = 3750  # 5 minutes of audio per turn
+
+
+def default_max_frames(text_tokens: int) -> int:
+    """Upstream has no cap; ours: generous for speech (~3-4 frames per token), clamped to 5 minutes."""
+    return min(HARD_MAX_FRAMES, 60 + 10 * text_tokens)
+
+
+def check_max_frames(max_frames) -> int | None:
+    if max_frames is None:
+        return None
+    if isinstance(max_frames, bool) or not isinstance(max_frames, (int, np.integer)) \
+            or not 1 <= max_frames <= HARD_MAX_FRAMES:
+        raise InputError(f"max_frames must be an integer in 1..{HARD_MAX_FRAMES}, got {max_frames!r}")
+    return int(max_frames)
+
+
+def playable(codes: np.ndarray, codebook_size: int) -> bool:
+    """Whether a frame can go to the codec: every code a codec code (the model can, rarely, sample the
+    pad/BOS/EOS ids in some codebook; upstream drops such frames, and so do we, counting them)."""
+    return bool((codes < codebook_size).all() and (codes >= 0).all())
 
 
 class TurnState(enum.Enum):
@@ -48,8 +68,9 @@ class TurnState(enum.Enum):
 
 @dataclass
 class Frame:
-    """One generated frame. ``audio`` is its 1920 samples, or None for the EOS frame and for frames the
-    codec cannot decode (a code >= 1024 sampled in some codebook; upstream drops those too)."""
+    """One generated frame. ``audio`` is its 1920 samples, or None for the EOS frame, for frames that are
+    not :func:`playable` (dropped from the audio, which continues with the next frame) and when the
+    session does not decode audio."""
 
     index: int
     codes: np.ndarray
@@ -71,6 +92,7 @@ class TurnStats:
 class _Turn:
     prompt_rows: np.ndarray
     committer: TextCommitter
+    params: SamplingParams
     pending: list[int] = field(default_factory=list)   # committed ids not yet fed
     frames: list[np.ndarray] = field(default_factory=list)
     text_ended: bool = False
@@ -94,8 +116,7 @@ class StreamingSession:
         self.state = TurnState.IDLE
         self._turn: _Turn | None = None
         self._decoder = model.codec.streaming_decoder(1, model.ids.rvq) if decode_audio else None
-        specials = list(model.tokenizer.special_ids.values())
-        self._special_strings = [model.tokenizer.decode([i]) for i in specials]
+        self._special_strings = model.tokenizer.added_tokens()
 
     # ------------------------------------------------------------------ properties
     @property
@@ -125,19 +146,17 @@ class StreamingSession:
         """Open a turn. The first turn's rows hold the system block (and voice); with user context they
         continue with upstream's user segment (text, then the user's audio after the 12-token delay), then
         the assistant header. Later turns add only the user segment (or the bare turn separator) on top of
-        the cache, positions continuing."""
+        the cache, positions continuing. ``params`` apply to this turn only (default: the session's).
+        A turn that cannot open raises and leaves the session as it was."""
         self._require_open()
         if self.state in (TurnState.WAITING, TurnState.RUNNING):
             raise InputError("a turn is in progress: end it (end_text and step until done) or cancel it first")
         if user_audio_codes is not None and user_audio_wav is not None:
             raise InputError("give user audio as codes or as a waveform, not both")
+        max_frames = check_max_frames(max_frames)
+        turn_params = params.validated() if params is not None else self.params
         if user_audio_wav is not None:
-            wav, sr = user_audio_wav
-            user_audio_codes = self.model.codec.encode(wav, sr)[:, : self.model.ids.rvq]
-        if max_frames is not None and (not isinstance(max_frames, (int, np.integer)) or max_frames < 1):
-            raise InputError(f"max_frames must be an integer >= 1, got {max_frames!r}")
-        if params is not None:
-            self.params = params.validated()
+            user_audio_codes = self.model.voice_codes_from_wav(*user_audio_wav)
         p = self.model.prompt
         has_user = bool(user_text) or user_audio_codes is not None
         if self.turns == 0:
@@ -149,8 +168,8 @@ class StreamingSession:
         if self.context_rows + len(rows) + self.model.ids.prefill_text_tokens > self.cache.max_rows:
             raise ContextLimitError(f"context limit: the turn's {len(rows)} prompt rows do not fit "
                                     f"({self.context_rows} of {self.cache.max_rows} rows used)")
-        self._turn = _Turn(prompt_rows=rows, max_frames=max_frames,
-                           committer=TextCommitter(self.model.tokenizer._tok, self._special_strings))
+        self._turn = _Turn(prompt_rows=rows, max_frames=max_frames, params=turn_params,
+                           committer=TextCommitter(self.model.tokenizer.backend, self._special_strings))
         self.state = TurnState.WAITING
         if self._decoder is not None:
             self._decoder.reset()  # each turn's audio is its own stream (as upstream)
@@ -166,7 +185,7 @@ class StreamingSession:
         self._require_text_open()
         arr = self.model.check_text_ids(ids)
         self._set_input_kind("ids")
-        return self._feed([int(i) for i in arr], from_ids=True)
+        return self._feed([int(i) for i in arr])
 
     def end_text(self) -> list[Frame]:
         """No more text this turn: commits the rest, prefills if needed, and steps through pending ids."""
@@ -186,9 +205,6 @@ class StreamingSession:
             return []
         if not t.text_ended:
             t.stats.stalls += 1
-            return []
-        if self.state is TurnState.WAITING:  # ended with no text at all
-            self._finish("no_text")
             return []
         return self._advance(self.model.ids.text_pad)
 
@@ -217,7 +233,7 @@ class StreamingSession:
         self.state = TurnState.IDLE
 
     # ------------------------------------------------------------------ internals
-    def _feed(self, ids: list[int], from_ids: bool = False) -> list[Frame]:
+    def _feed(self, ids: list[int]) -> list[Frame]:
         t = self._turn
         if self.state is TurnState.DONE:
             return []  # text after EOS: nothing more is generated this turn (as upstream)
@@ -267,19 +283,19 @@ class StreamingSession:
             self._finish("context_limit")
             return []
         self.context.append(rows)
-        window = self.params.repetition_window
+        window = t.params.repetition_window
         history = np.full((1, window, m.ids.rvq), m.history_pad, np.int64)
         recent = t.frames[-window:]
         if recent:
             history[0, window - len(recent):] = np.stack(recent)
-        codes = m.depth(hidden, history, [self.params], self.rng.next_frame()[None], first_frame=first).codes[0]
+        codes = m.depth(hidden, history, [t.params], self.rng.next_frame()[None], first_frame=first).codes[0]
         t.frames.append(codes)
         t.stats.frames += 1
         frame = Frame(index=len(t.frames) - 1, codes=codes, audio=None)
         if codes[0] == m.ids.audio_eos:
             frame.eos = True
             self._finish("eos")
-        elif (codes >= m.codec.codebook_size).any():
+        elif not playable(codes, m.codec.codebook_size):
             t.stats.dropped_frames += 1
         elif self._decoder is not None:
             frame.audio = self._decoder.decode_checked(m.codec.check_codes(codes[None], m.ids.rvq))[0]

@@ -15,6 +15,7 @@ import codecs
 from tokenizers import Tokenizer
 
 from .errors import EngineError, InputError
+from .tokenizer import check_unicode
 
 
 class TokenizationDrift(EngineError):
@@ -45,7 +46,11 @@ class TextCommitter:
                 delta = self._utf8.decode(bytes(delta))
             except UnicodeDecodeError as e:
                 raise InputError(f"text delta is not valid UTF-8: {e}") from None
-        elif not isinstance(delta, str):
+        elif isinstance(delta, str):
+            if self._utf8.getstate()[0]:
+                raise InputError("a str delta arrived while a UTF-8 character was half-received as bytes")
+            check_unicode(delta)
+        else:
             raise InputError(f"text delta must be str or bytes, got {type(delta).__name__}")
         self._text += delta
         return self._commit(final=False)
@@ -75,7 +80,10 @@ class TextCommitter:
                 held.add(w)
             else:
                 n = 0
+            # whitespace before a possible special token is split off as its own segment once the special
+            # completes, so it is held back with it
             cut = self._partial_special_start()
+            cut = len(self._text[:cut].rstrip())
             while n and offsets[n - 1][1] > cut:
                 n -= 1
             while 0 < n < len(ids) and words[n - 1] == words[n]:  # never stop inside a chunk

@@ -109,6 +109,10 @@ class TTSModel:
         self.backbone_timing = CallTiming()
         self.depth_timing = CallTiming()
 
+    def voice_codes_from_wav(self, wav: np.ndarray, sample_rate: int) -> np.ndarray:
+        """A reference recording as prompt codes: every ``ceil(N/1920)`` frame, first 16 levels (upstream)."""
+        return self.codec.encode(wav, sample_rate)[:, : self.ids.rvq]
+
     def default_sampling(self, **overrides) -> SamplingParams:
         return SamplingParams.from_manifest(self.bundle.manifest, **overrides)
 

@@ -18,6 +18,13 @@ def _progress(msg: str) -> None:
     print(f"[mossrt] {msg}", file=sys.stderr, flush=True)
 
 
+def _load_array(path, what: str) -> np.ndarray:
+    try:
+        return np.load(path, allow_pickle=False)
+    except Exception as e:  # numpy raises OSError, ValueError, EOFError... for unreadable files
+        raise CliError(f"{what} {path}: not a readable .npy array ({e})") from None
+
+
 # ---------------------------------------------------------------------------------------------- export
 def cmd_export(args) -> None:
     from export.bundle import BundleWriter
@@ -75,30 +82,15 @@ def cmd_codec_decode(args) -> None:
     from engine.codec import write_audio
 
     codec = _load_codec(args)
-    try:
-        codes = np.load(args.input, allow_pickle=False)
-    except Exception as e:
-        raise CliError(f"{args.input}: not a readable .npy array ({e})") from None
+    codes = _load_array(args.input, "codes")
     nq = args.n_quantizers if args.n_quantizers is not None else codec.default_n_quantizers(codes)
     if args.chunk_frames is not None and args.schedule is not None:
         raise CliError("give either --chunk-frames or --schedule, not both")
-    if args.chunk_frames is None and args.schedule is None:
-        wav = codec.decode(codes, nq, max_frames_per_call=max(1, codes.shape[0] if codes.ndim else 1))
-    else:
-        checked = codec.check_codes(codes, codec.check_n_quantizers(nq))[0]
-        if args.chunk_frames is not None:
-            if args.chunk_frames < 1:
-                raise CliError("--chunk-frames must be >= 1")
-            sizes = [args.chunk_frames]
-        else:
-            sizes = _parse_schedule(args.schedule)
-        dec = codec.streaming_decoder(1, nq)
-        pieces, f, i = [], 0, 0
-        while f < checked.shape[0]:
-            n = sizes[min(i, len(sizes) - 1)] if args.schedule else sizes[0]
-            pieces.append(dec.decode(checked[f:f + n]))
-            f, i = f + n, i + 1
-        wav = np.concatenate(pieces)
+    if args.chunk_frames is not None and args.chunk_frames < 1:
+        raise CliError("--chunk-frames must be >= 1")
+    schedule = _parse_schedule(args.schedule) if args.schedule else (
+        [args.chunk_frames] if args.chunk_frames else None)
+    wav = codec.decode(codes, nq, schedule=schedule)
     write_audio(args.output, wav, codec.sample_rate, pcm16=args.pcm16)
     _progress(f"{wav.size} samples ({wav.size / codec.sample_rate:.2f} s) -> {args.output}")
 
@@ -125,12 +117,7 @@ def cmd_synth(args) -> None:
     params = _sampling(model, args)
     if args.voice and args.voice_codes:
         raise CliError("give --voice or --voice-codes, not both")
-    voice_codes = None
-    if args.voice_codes:
-        try:
-            voice_codes = np.load(args.voice_codes, allow_pickle=False)
-        except Exception as e:
-            raise CliError(f"{args.voice_codes}: not a readable .npy array ({e})") from None
+    voice_codes = _load_array(args.voice_codes, "voice codes") if args.voice_codes else None
     voice = resolve_voice(model, read_audio(args.voice) if args.voice else None, voice_codes)
     gen = generate(model, text=args.text, voice_codes=voice, params=params, seed=args.seed,
                    max_frames=args.max_frames, max_text_chars=args.max_text_chars)
@@ -141,13 +128,6 @@ def cmd_synth(args) -> None:
     end = "EOS" if gen.stopped_on_eos else f"the {gen.raw_frames.shape[0]}-frame limit"
     _progress(f"{gen.codes.shape[0]} frames ({wav.size / model.codec.sample_rate:.2f} s), stopped at {end}, "
               f"seed {gen.seed} -> {args.out}")
-
-
-def _load_array(path: Path, what: str) -> np.ndarray:
-    try:
-        return np.load(path, allow_pickle=False)
-    except Exception as e:
-        raise CliError(f"{what} {path}: not a readable .npy array ({e})") from None
 
 
 def cmd_replay(args) -> None:
@@ -166,13 +146,21 @@ def cmd_replay(args) -> None:
     model = _load_tts(args)
     params = _sampling(model, args)
     voice = None
-    if script.get("voice_codes") and script.get("voice_wav"):
+    def path_field(obj: dict, key: str, where: str) -> Path | None:
+        value = obj.get(key)
+        if value is None or value == "":
+            return None
+        if not isinstance(value, str):
+            raise CliError(f"{where}: {key} must be a path (string) or null")
+        return base / value
+
+    voice_codes, voice_wav = path_field(script, "voice_codes", "script"), path_field(script, "voice_wav", "script")
+    if voice_codes and voice_wav:
         raise CliError("give voice_codes or voice_wav, not both")
-    if script.get("voice_codes"):
-        voice = model.prompt.check_voice_codes(_load_array(base / script["voice_codes"], "voice_codes"))
-    elif script.get("voice_wav"):
-        wav, sr = read_audio(base / script["voice_wav"])
-        voice = model.codec.encode(wav, sr)[:, : model.ids.rvq]
+    if voice_codes:
+        voice = model.prompt.check_voice_codes(_load_array(voice_codes, "voice_codes"))
+    elif voice_wav:
+        voice = model.voice_codes_from_wav(*read_audio(voice_wav))
     session = StreamingSession(model, voice_codes=voice, params=params, seed=args.seed,
                                max_context_rows=args.max_context_rows)
     out_dir = Path(args.out_dir)
@@ -185,19 +173,23 @@ def cmd_replay(args) -> None:
         has_deltas, has_ids = "assistant_deltas" in turn, "assistant_token_ids" in turn
         if has_deltas == has_ids:
             raise CliError(f"turn {i}: give exactly one of assistant_deltas / assistant_token_ids")
-        user_codes = _load_array(base / turn["user_audio_codes"], "user_audio_codes") \
-            if turn.get("user_audio_codes") else None
-        user_wav = read_audio(base / turn["user_audio_wav"]) if turn.get("user_audio_wav") else None
+        deltas, token_ids = turn.get("assistant_deltas"), turn.get("assistant_token_ids")
+        if has_deltas and (not isinstance(deltas, list) or not all(isinstance(d, str) for d in deltas)):
+            raise CliError(f"turn {i}: assistant_deltas must be a list of strings")
+        if has_ids and not isinstance(token_ids, list):
+            raise CliError(f"turn {i}: assistant_token_ids must be a list of integers")
+        codes_path = path_field(turn, "user_audio_codes", f"turn {i}")
+        wav_path = path_field(turn, "user_audio_wav", f"turn {i}")
+        user_codes = _load_array(codes_path, "user_audio_codes") if codes_path else None
+        user_wav = read_audio(wav_path) if wav_path else None
         session.begin_turn(user_text=turn.get("user_text") or "", user_audio_codes=user_codes,
                            user_audio_wav=user_wav, max_frames=args.max_frames)
         frames = []
         if has_deltas:
-            for delta in turn["assistant_deltas"]:
-                if not isinstance(delta, str):
-                    raise CliError(f"turn {i}: assistant_deltas must be strings")
+            for delta in deltas:
                 frames += session.push_text(delta)
         else:
-            frames += session.push_token_ids(turn["assistant_token_ids"])
+            frames += session.push_token_ids(token_ids)
         frames += session.end_text()
         frames += session.drain()
         audible = [f for f in frames if not f.eos]
@@ -236,6 +228,8 @@ def cmd_bench_synth(args) -> None:
 def cmd_make_checkpoint(args) -> None:
     from export import random_checkpoint
 
+    if args.seed < 0:
+        raise CliError("--seed must be >= 0")
     out = Path(args.out)
     if args.kind == "codec":
         paths = [random_checkpoint.make_codec_checkpoint(out, seed=args.seed, preset=args.preset, progress=_progress)]
@@ -398,7 +392,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         args.func(args)
-    except (CliError, EngineError, CheckpointError, FileNotFoundError) as e:
+    except (CliError, EngineError, CheckpointError, OSError) as e:
         print(f"mossrt: error: {e}", file=sys.stderr)
         return 2
     return 0

@@ -199,3 +199,30 @@ def test_bundle_errors(tmp_path):
         Bundle(tmp_path, device="cpu")
     proc = mossrt("codec", "decode", "--bundle", tmp_path, tmp_path / "x.npy", tmp_path / "y.wav", check=False)
     assert proc.returncode == 2 and "not a bundle" in proc.stderr
+
+
+def test_cli_usage_errors(codec_bundle_dir, tmp_path):
+    np.save(tmp_path / "c.npy", np.zeros((3, 16), np.int64))
+    cases = [
+        (("codec", "decode", "--bundle", codec_bundle_dir, tmp_path / "c.npy", tmp_path / "missing" / "o.wav"),
+         "cannot write"),
+        (("bench", "codec", "--bundle", codec_bundle_dir, "--repeats", "0"), "repeats >= 1"),
+        (("make-checkpoint", "codec", "--preset", "tiny", "--seed", "-1", "--out", tmp_path / "ck"), "--seed"),
+        (("codec", "decode", "--bundle", codec_bundle_dir, tmp_path / "c.npy", tmp_path / "o.wav", "--threads", "-2"),
+         "threads"),
+        (("codec", "decode", "--bundle", codec_bundle_dir, tmp_path / "c.npy", tmp_path / "o.wav", "--schedule", "1,x"),
+         "--schedule"),
+        (("codec", "decode", "--bundle", codec_bundle_dir, tmp_path / "nope.npy", tmp_path / "o.wav"), "not a readable"),
+    ]
+    for args, message in cases:
+        proc = mossrt(*args, check=False)
+        assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr, (args, proc.stderr)
+
+
+def test_long_decode_is_chunked(codec):
+    """Without a schedule, long code files still go through bounded calls (same audio as one pass)."""
+    g = golden("codec/codec_long.npz")
+    codes = g["enc_codes"].T[:, :16]
+    a = codec.decode(codes, 16, max_frames_per_call=40)
+    ref = g["dec16_audio"]
+    assert np.abs(a - ref).max() <= tolerance(ref)

@@ -43,12 +43,9 @@ def test_export_errors(tmp_path):
 
 
 def test_hub_id_needs_the_hub_extra(tmp_path):
-    import importlib.util
-
     proc = mossrt("export", "--model", "OpenMOSS-Team/MOSS-TTS-Realtime", "--out", tmp_path / "b")
-    assert proc.returncode == 2
-    if importlib.util.find_spec("huggingface_hub") is None:
-        assert "hub" in proc.stderr and "Traceback" not in proc.stderr
+    # without the hub extra: how to get it; with it (no network here): the download error. Never a traceback.
+    assert proc.returncode == 2 and "hub" in proc.stderr and "Traceback" not in proc.stderr
 
 
 def test_sharded_bf16_tts_checkpoint(tmp_path):

@@ -67,6 +67,26 @@ def test_greedy_codes_identical(model, case, penalty, prefix):
     np.testing.assert_array_equal(gen.rows[0], g["prefill_ids"])
 
 
+def test_same_ids_as_upstream_streaming(model):
+    """The non-streaming loop on upstream's streamed ids equals upstream's (``nonstream_same_ids_codes``)."""
+    from engine.generate import generate
+
+    g = golden("tts/tts_streaming.npz")
+    gen = generate(model, text_ids=g["streamed_text_ids"], params=model.default_sampling(greedy=True))
+    np.testing.assert_array_equal(gen.codes, g["nonstream_same_ids_codes"])
+
+
+def test_unplayable_frames_are_dropped_from_the_audio(model):
+    from engine.generate import Generation, synthesize
+
+    codes = golden("tts/tts_text_only.npz")["greedy_codes"][:6].copy()
+    codes[2, 5] = 1025                     # a BOS sampled in codebook 5: not a codec code
+    gen = Generation(codes=codes, raw_frames=codes, stopped_on_eos=False, seed=0)
+    audio = synthesize(model, gen)
+    ref = model.codec.decode(np.delete(codes, 2, axis=0), 16)
+    assert audio.shape == (5 * 1920,) and np.abs(audio - ref).max() <= tolerance(ref)
+
+
 def test_max_frames_limit(model):
     from engine.generate import generate
 
@@ -151,6 +171,8 @@ def test_sampled_lengths_consistent_with_upstream(model):
     (["--text", "hi", "--top-k", "-1"], "top_k must be an integer >= 0"),
     (["--text", "hi", "--repetition-penalty", "0"], "repetition_penalty must be > 0"),
     (["--text", "hi", "--max-frames", "0"], "max_frames"),
+    (["--text", "hi", "--max-frames", "9000"], "max_frames must be an integer in 1..3750"),
+    (["--text", "hi", "--repetition-window", "1000000000"], "repetition_window must be an integer in 1..4096"),
     (["--text", "hi", "--seed", "-3"], "seed"),
 ])
 def test_synth_rejects_bad_settings(full_bundle_dir, tmp_path, flags, message):
@@ -181,9 +203,16 @@ def test_synth_rejects_unreadable_voice(full_bundle_dir, tmp_path):
     assert proc.returncode == 2 and "not a readable audio file" in proc.stderr
 
 
+def test_invalid_unicode_text(model):
+    from engine.errors import InputError
+    from engine.generate import generate
+
+    with pytest.raises(InputError, match="not valid Unicode"):
+        generate(model, text="Hello \ud800")
+
+
 def test_context_limit_is_a_clear_error(model):
     from engine.errors import InputError
-    from engine.generate import generate_frames
 
     with pytest.raises(InputError, match="context limit"):
         cache = model.new_cache(max_rows=40)
