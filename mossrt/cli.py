@@ -100,7 +100,10 @@ def _load_tts(args):
     from engine.bundle import Bundle
     from engine.tts import TTSModel
 
-    return TTSModel(Bundle(args.bundle, device=args.device, threads=args.threads))
+    bundle = Bundle(args.bundle, device=args.device, threads=args.threads)
+    if "demo" in bundle.manifest:
+        _progress(f"note: {args.bundle} is the demo bundle ({bundle.manifest['demo']['note']})")
+    return TTSModel(bundle)
 
 
 def _sampling(model, args):

@@ -30,3 +30,15 @@ def test_demo_command(tmp_path):
     assert info.samplerate == 24000 and info.frames == 25 * 1920  # random weights: runs to the frame limit
     manifest = json.loads((tmp_path / "demo" / "manifest.json").read_text())
     assert {"codec_encoder", "codec_decoder", "backbone", "depth"} <= set(manifest["graphs"])
+
+
+def test_synth_on_demo_bundle_says_it_is_a_demo(tmp_path):
+    from export.demo import build_demo_bundle
+
+    bundle = build_demo_bundle(tmp_path / "demo")
+    proc = subprocess.run([sys.executable, "-m", "mossrt.cli", "synth", "--bundle", str(bundle), "--text", "Hi there.",
+                           "--out", str(tmp_path / "o.wav"), "--max-frames", "3", "--seed", "1", "--device", "cpu"],
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert "demo bundle" in proc.stderr and "noise" in proc.stderr
+    assert sf.info(tmp_path / "o.wav").frames == 3 * 1920
