@@ -61,23 +61,21 @@ def _export_tts_bundle(tmp_path_factory, dtype: str) -> Path:
 
 
 @pytest.fixture(scope="session")
-def tts_bundle_dir(tmp_path_factory) -> Path:
-    return _export_tts_bundle(tmp_path_factory, "fp32")
+def tts_bundle_for(tmp_path_factory):
+    """``tts_bundle_for(dtype)``: the golden TTS checkpoint exported with that dtype, once per session."""
+    cache: dict[str, Path] = {}
+
+    def get(dtype: str) -> Path:
+        if dtype not in cache:
+            cache[dtype] = _export_tts_bundle(tmp_path_factory, dtype)
+        return cache[dtype]
+
+    return get
 
 
 @pytest.fixture(scope="session")
-def tts_bundle_dir_fp16(tmp_path_factory) -> Path:
-    return _export_tts_bundle(tmp_path_factory, "fp16")
-
-
-@pytest.fixture(scope="session")
-def tts_bundle_dir_int8(tmp_path_factory) -> Path:
-    return _export_tts_bundle(tmp_path_factory, "int8")
-
-
-@pytest.fixture(scope="session")
-def tts_bundle_dir_int4(tmp_path_factory) -> Path:
-    return _export_tts_bundle(tmp_path_factory, "int4")
+def tts_bundle_dir(tts_bundle_for) -> Path:
+    return tts_bundle_for("fp32")
 
 
 # ---------------------------------------------------------------------------------------------- full bundle

@@ -388,8 +388,8 @@ INT4_FLOOR, INT4_FLOOR0 = 0.10, 0.60
 @pytest.mark.parametrize("dtype,floors", [("fp16", {"teacher_forced": 0.95, "codebook0": 0.97, "free_running": 0.85}),
                                           ("int8", {"teacher_forced": 0.62, "codebook0": 0.92}),
                                           ("int4", {"teacher_forced": INT4_FLOOR, "codebook0": INT4_FLOOR0})])
-def test_reduced_precision_agreement(request, dtype, floors):
-    bundle_dir = request.getfixturevalue(f"tts_bundle_dir_{dtype}")
+def test_reduced_precision_agreement(tts_bundle_for, dtype, floors):
+    bundle_dir = tts_bundle_for(dtype)
     rates = _agreement(bundle_dir)
     print(f"{dtype}: greedy code agreement with the goldens " + ", ".join(f"{k} {v:.2%}" for k, v in rates.items()))
     for key, floor in floors.items():
@@ -446,10 +446,11 @@ def test_int4_matmul_weight(tmp_path):
     assert np.abs(deq - w).max() <= np.abs(w).max(axis=1).max() / 14 + 1e-6  # half a step of the largest scale
 
 
-def test_int8_storage(tts_bundle_dir, tts_bundle_dir_int8):
+def test_int8_storage(tts_bundle_dir, tts_bundle_for):
     import onnx
 
-    model = onnx.load(str(tts_bundle_dir_int8 / "backbone.onnx"), load_external_data=False)
+    int8_dir = tts_bundle_for("int8")
+    model = onnx.load(str(int8_dir / "backbone.onnx"), load_external_data=False)
     dtypes = {t.name: t.data_type for t in model.graph.initializer}
     assert dtypes["language_model.layers.0.self_attn.q_proj.qw"] == onnx.TensorProto.UINT8
     assert dtypes["language_model.layers.0.self_attn.q_proj.qw_scale"] == onnx.TensorProto.FLOAT
@@ -458,7 +459,7 @@ def test_int8_storage(tts_bundle_dir, tts_bundle_dir_int8):
     ops = {n.op_type for n in model.graph.node}
     assert "MatMulNBits" in ops and "DequantizeLinear" not in ops
     size = lambda d: sum(p.stat().st_size for p in d.glob("*.onnx.data"))
-    assert size(tts_bundle_dir_int8) < 0.6 * size(tts_bundle_dir)
+    assert size(int8_dir) < 0.6 * size(tts_bundle_dir)
 
 
 # ---------------------------------------------------------------------------------------------- export
