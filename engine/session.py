@@ -298,7 +298,7 @@ class StreamingSession:
         elif not playable(codes, m.codec.codebook_size):
             t.stats.dropped_frames += 1
         elif self._decoder is not None:
-            frame.audio = self._decoder.decode_checked(m.codec.check_codes(codes[None], m.ids.rvq))[0]
+            frame.audio = self._decoder.decode(codes[None])
         if not frame.eos and t.text_ended and not t.pending and t.stats.frames >= self._frame_limit():
             self._finish("max_frames")
         return [frame]

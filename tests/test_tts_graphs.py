@@ -140,18 +140,23 @@ def test_prefill_hidden(graphs, case):
     assert err <= tolerance(ref)
 
 
-@pytest.mark.parametrize("case", CASES)
-@pytest.mark.parametrize("rep", ["greedy", "greedy_rep"])
-def test_teacher_forced_steps(graphs, case, rep):
-    """Golden step rows, one per call, on a KV buffer: per-step hidden, codebook-0 logits, frame 0 logits."""
-    gd = tts_golden(case)
+def teacher_forced_hidden(graphs, gd, rep: str) -> np.ndarray:
+    """Last-row backbone hidden of the golden prefill and of each golden step row, fed one per call."""
     kv = graphs.kv_buffer(1, 200)
     hidden = [graphs.step(kv, gd["prefill_ids"][None], [0])[0, -1]]
     pos = gd["prefill_ids"].shape[0]
     for row in gd[f"{rep}_step_ids"]:
         hidden.append(graphs.step(kv, row[None, None], [pos])[0, -1])
         pos += 1
-    hidden = np.array(hidden)
+    return np.array(hidden)
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("rep", ["greedy", "greedy_rep"])
+def test_teacher_forced_steps(graphs, case, rep):
+    """Golden step rows, one per call, on a KV buffer: per-step hidden, codebook-0 logits, frame 0 logits."""
+    gd = tts_golden(case)
+    hidden = teacher_forced_hidden(graphs, gd, rep)
     ref = gd[f"{rep}_step_hidden"]
     err_h = max_err(hidden, ref)
     assert hidden.shape == ref.shape and err_h <= tolerance(ref)
@@ -358,12 +363,7 @@ def _agreement(bundle_dir) -> dict:
         gd = tts_golden(case)
         for penalty, rep in ((1.0, "greedy"), (1.1, "greedy_rep")):
             raw = gd[f"{rep}_raw_frames"]
-            kv = g.kv_buffer(1, 200)
-            hidden = [g.step(kv, gd["prefill_ids"][None], [0])[0, -1]]
-            pos = gd["prefill_ids"].shape[0]
-            for row in gd[f"{rep}_step_ids"]:
-                hidden.append(g.step(kv, row[None, None], [pos])[0, -1])
-                pos += 1
+            hidden = teacher_forced_hidden(g, gd, rep)
             for f in range(len(raw)):
                 codes, _ = g.frame(hidden[f][None], history_of(list(raw[:f]), penalty), penalty)
                 tf += int((codes[0] == raw[f]).sum())
