@@ -80,54 +80,49 @@ def peak_rss_bytes() -> int:
 
 def bench_synth(model, frames: int = 16, repeats: int = 3, seed: int = 0) -> dict:
     """Per-frame cost of each stage of synthesis (median over repeats, after a warm-up run): backbone
-    prefill per prompt row, backbone step, depth loop and TTS frame interval (all after frame 0), codec
+    prefill per prompt row, backbone step, depth and TTS frame interval (all after frame 0), codec
     (1 frame per call), the real-time factor, the host share (wall time outside ``session.run`` in the
     frame loop) and peak RSS. Runs a streaming session fed the text's ids, as a voice agent would."""
-    from .session import StreamingSession, playable
+    from .session import StreamingSession
 
     if frames < 2 or repeats < 1:
         raise InputError("bench synth needs frames >= 2 and repeats >= 1")
     ids = model.tokenizer.encode(BENCH_TEXT)
-    n0 = model.ids.prefill_text_tokens
+    n0 = model.layout.text_lead
     runs = []
     for _ in range(repeats + 1):
-        bt, dt = model.backbone_timing, model.depth_timing
-        bt.__init__()
-        dt.__init__()
-        s = StreamingSession(model, seed=seed, decode_audio=False)
+        s = StreamingSession(model, seed=seed)
+        t = s.runner.timing
         s.begin_turn(max_frames=frames)
         t0 = time.perf_counter()
         produced = s.push_token_ids(ids[:n0])                      # prefill -> frame 0
         t1 = time.perf_counter()
-        prefill_rows, first = s.stats.prefill_rows, (bt.total_s, bt.run_s, dt.total_s, dt.run_s)
+        prefill_rows = s.stats.prefill_rows
+        first = {k: getattr(t, k).snapshot() for k in ("prefill", "step", "depth", "codec")}
         for token in ids[n0:]:
             produced += s.push_token_ids([token])
         produced += s.end_text() + s.drain()
         loop_s = time.perf_counter() - t1
         steps = len(produced) - 1
+        d = {k: getattr(t, k).since(first[k]) for k in first}
         s.close()
-        codes = [f.codes for f in produced if not f.eos and playable(f.codes, model.codec.codebook_size)]
-        dec = model.codec.streaming_decoder(1, model.ids.rvq)
-        tc = time.perf_counter()
-        for c in codes:
-            dec.decode(c[None])
-        codec_s = time.perf_counter() - tc
-        inside = (bt.run_s - first[1]) + (dt.run_s - first[3])
+        inside = sum(v.run_s for v in d.values())
+        decoded = max(d["codec"].calls, 1)
         runs.append({
-            "prefill_ms_per_row": 1000 * first[0] / prefill_rows,
+            "prefill_ms_per_row": 1000 * first["prefill"].total_s / prefill_rows,
             "prefill_rows": prefill_rows,
             "first_frame_ms": 1000 * (t1 - t0),
-            "backbone_step_ms": 1000 * (bt.total_s - first[0]) / steps,
-            "depth_ms": 1000 * (dt.total_s - first[2]) / steps,
-            "codec_ms": 1000 * codec_s / max(len(codes), 1),
-            "frame_ms": 1000 * loop_s / steps,
+            "backbone_step_ms": 1000 * d["step"].total_s / steps,
+            "depth_ms": 1000 * d["depth"].total_s / steps,
+            "codec_ms": 1000 * d["codec"].total_s / decoded,
+            "frame_ms": 1000 * (loop_s - d["codec"].total_s) / steps,
             "host_share": (loop_s - inside) / loop_s if loop_s else 0.0,
         })
     med = {k: statistics.median(r[k] for r in runs[1:]) for k in runs[0]}
-    frame_s = model.codec.samples_per_frame / model.codec.sample_rate
+    frame_s = model.codec.frame_seconds
     med["rtf"] = (med["frame_ms"] + med["codec_ms"]) / (1000 * frame_s)
     med.update(frames=frames, repeats=repeats, device=model.bundle.device, peak_rss_bytes=peak_rss_bytes(),
-               tts_dtype=model.bundle.manifest["tts"].get("dtype"), codec_dtype=model.bundle.manifest["codec"].get("dtype"))
+               tts_dtype=model.bundle.info.tts.dtype, codec_dtype=model.bundle.info.codec.dtype)
     return med
 
 

@@ -1,18 +1,24 @@
-"""Loading a bundle: manifest checks and onnxruntime sessions on the chosen provider."""
+"""Loading a bundle: the validated manifest and onnxruntime sessions on the chosen provider.
+
+A :class:`Bundle` may be shared by threads: sessions are created once under a lock, and onnxruntime's
+``InferenceSession.run`` is itself thread-safe.
+"""
 
 from __future__ import annotations
 
 import hashlib
 import json
 import os
+import threading
 from pathlib import Path
 
 import onnxruntime as ort
 
 from .errors import BundleError
+from .manifest import FORMAT_VERSION, Manifest, parse_manifest, sha256_file
 
-SUPPORTED_FORMAT_VERSION = 1
 PROVIDERS = {"cpu": ["CPUExecutionProvider"], "cuda": ["CUDAExecutionProvider", "CPUExecutionProvider"]}
+MAX_THREADS = 256
 
 
 def resolve_providers(device: str = "auto") -> list[str]:
@@ -28,8 +34,25 @@ def resolve_providers(device: str = "auto") -> list[str]:
     return PROVIDERS[device]
 
 
+def threads_setting(threads: int | None) -> int:
+    """Intra-op threads: the argument, else ``MOSSRT_THREADS``, else 0 (= all cores); checked either way."""
+    if threads is None:
+        raw = os.environ.get("MOSSRT_THREADS", "0").strip() or "0"
+        try:
+            threads = int(raw)
+        except ValueError:
+            raise BundleError(f"MOSSRT_THREADS must be an integer in 0..{MAX_THREADS}, got {raw!r}") from None
+    if isinstance(threads, bool) or not isinstance(threads, int) or not 0 <= threads <= MAX_THREADS:
+        raise BundleError(f"threads must be an integer in 0..{MAX_THREADS} (0 = all cores), got {threads!r}")
+    return threads
+
+
 class Bundle:
-    """A bundle directory written by ``mossrt export``: ``manifest.json`` plus ONNX graphs."""
+    """A bundle directory written by ``mossrt export``: ``manifest.json`` plus ONNX graphs.
+
+    Opening checks the manifest's schema and every listed file's presence and size (cheap);
+    :meth:`verify` checks every sha256 (reads every byte).
+    """
 
     def __init__(self, directory: str | Path, device: str = "auto", threads: int | None = None):
         self.dir = Path(directory)
@@ -37,53 +60,77 @@ class Bundle:
         if not path.is_file():
             raise BundleError(f"{self.dir}: not a bundle (no manifest.json); create one with 'mossrt export'")
         try:
-            self.manifest = json.loads(path.read_text())
-        except json.JSONDecodeError as e:
+            raw = json.loads(path.read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise BundleError(f"{path}: unreadable manifest: {e}") from None
-        if self.manifest.get("format") != "mossrt-bundle":
-            raise BundleError(f"{path}: not a mossrt bundle manifest")
-        if self.manifest.get("format_version") != SUPPORTED_FORMAT_VERSION:
-            raise BundleError(f"{path}: bundle format {self.manifest.get('format_version')} is not supported "
-                              f"(this mossrt reads version {SUPPORTED_FORMAT_VERSION}); re-export it")
-        for name, info in self.manifest.get("files", {}).items():
+        try:
+            self.info: Manifest = parse_manifest(raw)
+        except ValueError as e:
+            raise BundleError(f"{path}: {e}") from None
+        self.manifest: dict = raw
+        for name, entry in self.info.files.items():
             f = self.dir / name
-            if not f.is_file() or f.stat().st_size != info["bytes"]:
+            if not f.is_file() or f.stat().st_size != entry.bytes:
                 raise BundleError(f"{self.dir}: file {name} is missing or truncated; re-export the bundle")
+        for gname, graph in self.info.graphs.items():
+            for fname in (graph.file, graph.data):
+                if fname is not None and fname not in self.info.files:
+                    raise BundleError(f"{path}: graph {gname!r} names {fname!r}, which the manifest's files do not list")
         self.providers = resolve_providers(device)
         self.device = "cuda" if self.providers[0].startswith("CUDA") else "cpu"
-        self.threads = threads if threads is not None else int(os.environ.get("MOSSRT_THREADS", "0"))
-        if not isinstance(self.threads, int) or not 0 <= self.threads <= 256:
-            raise BundleError(f"threads must be an integer in 0..256 (0 = all cores), got {self.threads!r}")
+        self.threads = threads_setting(threads)
         self._sessions: dict[str, ort.InferenceSession] = {}
+        self._lock = threading.Lock()
+
+    @property
+    def is_demo(self) -> bool:
+        return self.info.demo is not None
+
+    @property
+    def identity(self) -> str:
+        """A short id of this bundle's content (hash of the file checksums): caches keyed by it never mix bundles."""
+        digest = hashlib.sha256(json.dumps({k: v.sha256 for k, v in sorted(self.info.files.items())}).encode())
+        return digest.hexdigest()[:16]
 
     def has_graph(self, name: str) -> bool:
-        return name in self.manifest.get("graphs", {})
+        return name in self.info.graphs
 
-    def section(self, key: str) -> dict:
-        if key not in self.manifest:
+    def section(self, key: str):
+        """A manifest section (validated model) that this bundle must have."""
+        value = getattr(self.info, key, None)
+        if value is None:
             raise BundleError(f"{self.dir}: the bundle has no {key!r} part; export it with 'mossrt export'")
-        return self.manifest[key]
+        return value
+
+    def file_path(self, name: str) -> Path:
+        return self.dir / name
 
     def session(self, name: str) -> ort.InferenceSession:
-        """The (cached) onnxruntime session of graph ``name``."""
-        if name not in self._sessions:
-            if not self.has_graph(name):
-                raise BundleError(f"{self.dir}: the bundle has no graph {name!r}")
-            opts = ort.SessionOptions()
-            opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-            if self.threads:
-                opts.intra_op_num_threads = self.threads
-            opts.log_severity_level = 3
-            path = self.dir / self.manifest["graphs"][name]["file"]
-            self._sessions[name] = ort.InferenceSession(str(path), opts, providers=self.providers)
-        return self._sessions[name]
+        """The (cached) onnxruntime session of graph ``name``; a graph that does not load is a BundleError."""
+        with self._lock:
+            if name not in self._sessions:
+                if not self.has_graph(name):
+                    raise BundleError(f"{self.dir}: the bundle has no graph {name!r}")
+                opts = ort.SessionOptions()
+                opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+                if self.threads:
+                    opts.intra_op_num_threads = self.threads
+                opts.log_severity_level = 3
+                path = self.dir / self.info.graphs[name].file
+                try:
+                    self._sessions[name] = ort.InferenceSession(str(path), opts, providers=self.providers)
+                except Exception as e:  # onnxruntime raises its own (Fail, InvalidGraph, ...) and RuntimeError
+                    raise BundleError(f"{path}: the graph does not load ({type(e).__name__}: "
+                                      f"{str(e).splitlines()[0][:300]}); run 'mossrt verify' or re-export") from None
+            return self._sessions[name]
 
-    def verify(self) -> None:
-        """Check the sha256 of every file listed in the manifest (slow for real-size bundles)."""
-        for name, info in self.manifest.get("files", {}).items():
-            h = hashlib.sha256()
-            with open(self.dir / name, "rb") as f:
-                while block := f.read(1 << 22):
-                    h.update(block)
-            if h.hexdigest() != info["sha256"]:
-                raise BundleError(f"{self.dir}: {name} does not match its manifest checksum")
+    def verify(self) -> list[str]:
+        """Check the sha256 of every file the manifest lists; raises BundleError naming the first mismatch.
+        Returns the names checked."""
+        for name, entry in self.info.files.items():
+            if sha256_file(self.dir / name) != entry.sha256:
+                raise BundleError(f"{self.dir}: {name} does not match its manifest checksum (damaged or modified)")
+        return sorted(self.info.files)
+
+
+__all__ = ["Bundle", "FORMAT_VERSION", "resolve_providers", "sha256_file", "threads_setting"]

@@ -9,9 +9,29 @@ class InputError(EngineError, ValueError):
     """The caller's input is invalid (bad codes, empty audio, impossible settings): a 4xx."""
 
 
+class ContextLimitError(InputError):
+    """A turn does not fit the stream's context (prompt rows + text rows + frames > max_context_rows)."""
+
+
+class ConcurrentUseError(InputError):
+    """An object that is not thread-safe (a StreamingSession) was used by two threads at once."""
+
+
 class BundleError(EngineError):
     """The bundle directory is missing, incomplete, corrupted or of an unknown format version."""
 
 
 class OverloadError(EngineError):
     """No capacity to admit more work right now: a 429/503."""
+
+
+class CapacityError(OverloadError):
+    """Every KV slot of the scheduler is taken (and none freed within the wait allowed)."""
+
+
+class GraphError(EngineError):
+    """A graph produced NaN/Inf or failed to run: the bundle is damaged or the runtime misbehaves (a 5xx)."""
+
+
+class StreamClosedError(InputError):
+    """The stream was closed (by its owner or because the scheduler stopped)."""

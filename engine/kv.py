@@ -1,10 +1,9 @@
-"""Host-owned KV state of the codec's sliding-window attention stages.
+"""Host-owned KV memory: the backbone's slot pool and the codec's sliding-window rings.
 
-Per stage a ring ``[layers, 2, batch, heads, context-1, head_dim]``: slot ``j`` holds the stream's
-token at position ``p ≡ j (mod context-1)`` among its last ``context-1`` tokens. The graph derives slot
-positions from the stream's frame position alone, so one stream's state is these arrays plus one int.
-On the CPU provider the rings are bound to the graph zero-copy (OrtValues over the numpy memory), so a
-call moves only the new rows.
+Both are numpy arrays bound to the graphs zero-copy (OrtValues over the numpy memory, created once per
+binding shape and cached). Streams live in slots; a call binds a contiguous prefix of slots (or one
+slot) so no per-step copy ever grows with the context. When a stream leaves, the last slot's stream is
+moved into the hole (one copy of its filled rows) so the active slots stay a prefix.
 """
 
 from __future__ import annotations
@@ -15,6 +14,67 @@ import numpy as np
 import onnxruntime as ort
 
 
+# ---------------------------------------------------------------------------------------------- backbone
+class BackboneKVPool:
+    """KV of ``slots`` streams: per layer K and V ``[slots, kv_heads, rows + 1, head_dim]``.
+
+    ``lengths[s]`` rows of slot ``s`` are valid. The graph (GroupQueryAttention) writes a call's new rows
+    at ``lengths[s]..`` of the bound memory itself and reads only the valid rows, so the host only moves
+    ``lengths``. The extra row is scratch: a stream that rides along in a batched step without being
+    fed (it waits for text) has its dummy row written there or beyond its valid rows, never over them.
+    The array is allocated lazily by the OS (calloc), so untouched slots cost no resident memory.
+    """
+
+    def __init__(self, layers: int, kv_heads: int, head_dim: int, slots: int, rows: int):
+        self.layers, self.slots, self.rows = layers, slots, rows
+        self.kv = np.zeros((layers, 2, slots, kv_heads, rows + 1, head_dim), np.float32)
+        self.lengths = np.zeros(slots, np.int64)
+        self._bound: dict[tuple[int, int], list[ort.OrtValue]] = {}
+
+    @staticmethod
+    def bytes_per_slot(layers: int, kv_heads: int, head_dim: int, rows: int) -> int:
+        return layers * 2 * kv_heads * (rows + 1) * head_dim * 4
+
+    @property
+    def nbytes_per_slot(self) -> int:
+        return self.kv.nbytes // self.slots
+
+    def room(self, slot: int) -> int:
+        return self.rows - int(self.lengths[slot])
+
+    def bind(self, binding: ort.IOBinding, lo: int, hi: int) -> None:
+        """Bind slots ``lo..hi-1`` as each layer's past and present (the same memory: in place)."""
+        key = (lo, hi)
+        if key not in self._bound:
+            self._bound[key] = [ort.OrtValue.ortvalue_from_numpy(self.kv[layer, j, lo:hi])
+                                for layer in range(self.layers) for j in (0, 1)]
+        values = self._bound[key]
+        for layer in range(self.layers):
+            for j, (past, present) in enumerate((("past_key", "present_key"), ("past_value", "present_value"))):
+                v = values[2 * layer + j]
+                binding.bind_ortvalue_input(f"{past}.{layer}", v)
+                binding.bind_ortvalue_output(f"{present}.{layer}", v)
+
+    def move(self, src: int, dst: int) -> None:
+        """Move the stream of slot ``src`` into slot ``dst`` (its filled rows only)."""
+        n = int(self.lengths[src])
+        self.kv[:, :, dst, :, :n] = self.kv[:, :, src, :, :n]
+        self.lengths[dst] = n
+        self.lengths[src] = 0
+
+    def copy_rows(self, src: np.ndarray, slot: int) -> None:
+        """Start slot ``slot`` with cached rows ``src`` [layers, 2, kv_heads, n, head_dim] (a prefix)."""
+        n = src.shape[3]
+        self.kv[:, :, slot, :, :n] = src
+        self.lengths[slot] = n
+
+    def rows_of(self, slot: int, n: int | None = None) -> np.ndarray:
+        """A copy of the first ``n`` (default: all valid) rows of a slot, [layers, 2, kv_heads, n, head_dim]."""
+        n = int(self.lengths[slot]) if n is None else n
+        return self.kv[:, :, slot, :, :n].copy()
+
+
+# ---------------------------------------------------------------------------------------------- codec
 @dataclass(frozen=True)
 class RingStage:
     layers: int
@@ -24,49 +84,72 @@ class RingStage:
     tokens_per_frame: int
 
     @classmethod
-    def from_spec(cls, spec: dict) -> "RingStage":
-        return cls(spec["layers"], spec["heads"], spec["head_dim"], spec["context"] - 1, spec["tokens_per_frame"])
+    def from_spec(cls, spec) -> "RingStage":
+        return cls(spec.layers, spec.heads, spec.head_dim, spec.context - 1, spec.tokens_per_frame)
 
 
 class RingState:
-    """KV rings and frame positions of ``batch`` independent streams for one codec side."""
+    """KV rings and frame positions of ``slots`` independent codec streams (one codec side).
 
-    def __init__(self, side: str, stages: list[RingStage], batch: int, dtype=np.float32):
-        self.side, self.stages, self.batch = side, stages, batch
-        self.rings = [np.zeros((s.layers, 2, batch, s.heads, s.rows, s.head_dim), dtype) for s in stages]
-        self.frame_pos = np.zeros(batch, np.int64)
-        # OrtValues wrapping each layer's K and V views: created once, they alias the ring memory.
-        self._bound = {}
-        for si, (stage, ring) in enumerate(zip(stages, self.rings)):
-            for layer in range(stage.layers):
-                for kv, kind in ((0, "key"), (1, "value")):
-                    self._bound[f"{side}.past_{kind}.{si}.{layer}"] = ort.OrtValue.ortvalue_from_numpy(ring[layer, kv])
+    Per stage a ring ``[layers, 2, slots, heads, context-1, head_dim]``: slot ``j`` of a ring holds the
+    stream's token at position ``p ≡ j (mod context-1)`` among its last ``context-1`` tokens. The graph
+    derives slot positions from the stream's frame position alone, so one stream's state is these rows
+    plus one int, and streams at any positions share a call.
+    """
+
+    def __init__(self, side: str, stages: list[RingStage], slots: int):
+        self.side, self.stages, self.slots = side, stages, slots
+        self.rings = [np.zeros((s.layers, 2, slots, s.heads, s.rows, s.head_dim), np.float32) for s in stages]
+        self.frame_pos = np.zeros(slots, np.int64)
+        self._bound: dict[int, dict[str, ort.OrtValue]] = {}
+
+    @staticmethod
+    def bytes_per_stream(stages: list[RingStage]) -> int:
+        return sum(s.layers * 2 * s.heads * s.rows * s.head_dim * 4 for s in stages)
 
     @property
     def nbytes_per_stream(self) -> int:
-        return sum(r.nbytes for r in self.rings) // self.batch
+        return self.bytes_per_stream(self.stages)
 
-    def bind(self, binding: ort.IOBinding) -> None:
-        for name, value in self._bound.items():
+    def bind(self, binding: ort.IOBinding, n: int) -> None:
+        """Bind the rings and frame positions of streams ``0..n-1``."""
+        if n not in self._bound:
+            values = {"frame_pos": ort.OrtValue.ortvalue_from_numpy(self.frame_pos[:n])}
+            for si, (stage, ring) in enumerate(zip(self.stages, self.rings)):
+                for layer in range(stage.layers):
+                    for kv, kind in ((0, "key"), (1, "value")):
+                        values[f"{self.side}.past_{kind}.{si}.{layer}"] = \
+                            ort.OrtValue.ortvalue_from_numpy(ring[layer, kv, :n])
+            self._bound[n] = values
+        for name, value in self._bound[n].items():
             binding.bind_ortvalue_input(name, value)
 
     def output_names(self) -> list[str]:
         return [f"{self.side}.present.{si}" for si in range(len(self.stages))]
 
-    def advance(self, presents: list[np.ndarray], n_frames: int) -> None:
-        """Write each stream's newest rows (``present[l, kv, b, h, t, d]``) into its ring slots."""
+    def advance(self, presents: list[np.ndarray], frames: np.ndarray) -> None:
+        """Write each stream's first ``frames[b]`` frames of new rows (``present[l, kv, b, h, t, d]``) into
+        its ring slots and move its position on; streams with 0 frames (riders) are untouched."""
         for stage, ring, present in zip(self.stages, self.rings, presents):
-            T, C = stage.tokens_per_frame * n_frames, stage.rows
-            m = min(T, C)
-            for b in range(self.batch):
+            C = stage.rows
+            for b in np.flatnonzero(frames):
+                T = stage.tokens_per_frame * int(frames[b])
+                m = min(T, C)
                 start = int(self.frame_pos[b]) * stage.tokens_per_frame + T - m
                 slots = (start + np.arange(m)) % C
-                ring[:, :, b][:, :, :, slots] = present[:, :, b, :, T - m:]
-        self.frame_pos += n_frames
+                ring[:, :, b][:, :, :, slots] = present[:, :, b, :, T - m:T]
+        self.frame_pos[: len(frames)] += frames
 
     def reset(self, index: int | None = None) -> None:
-        """Forget stream ``index`` (all streams when None): zeroed rings, position 0."""
-        sel = slice(None) if index is None else index
+        """Start stream ``index`` (all when None) afresh at frame 0. Ring rows need no clearing: the graph
+        masks every slot a position-0 stream has not written."""
+        if index is None:
+            self.frame_pos[:] = 0
+        else:
+            self.frame_pos[index] = 0
+
+    def move(self, src: int, dst: int) -> None:
         for ring in self.rings:
-            ring[:, :, sel] = 0
-        self.frame_pos[sel] = 0
+            ring[:, :, dst] = ring[:, :, src]
+        self.frame_pos[dst] = self.frame_pos[src]
+        self.frame_pos[src] = 0

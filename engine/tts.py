@@ -1,124 +1,56 @@
-"""MOSS-TTS-Realtime graphs on onnxruntime: the backbone with a host-owned KV cache, and the depth
-graph that samples one 16-code frame per call."""
+"""MOSS-TTS-Realtime graphs on onnxruntime: the backbone over host-owned KV slots, and the depth graph
+that samples one 16-code frame per stream per call.
+
+A :class:`TTSModel` holds no per-stream state: it may be shared by every thread and runner.
+"""
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 
 import numpy as np
-import onnxruntime as ort
 
 from .bundle import Bundle
-from .codec import CallTiming, Codec
-from .errors import InputError
-from .prompt import GridIds, PromptBuilder
+from .codec import Codec
+from .errors import GraphError, InputError
+from .kv import BackboneKVPool
+from .prompt import GridLayout, PromptBuilder
 from .sampling import SamplingParams
+from .timing import CallTiming
 from .tokenizer import TextTokenizer
-
-MIN_CAPACITY = 256
-
-
-class ContextLimitError(InputError):
-    """A stream would exceed its configured maximum context (rows)."""
-
-
-class BackboneCache:
-    """KV buffers ``[layers, 2, batch, kv_heads, capacity, head_dim]`` and filled lengths per stream.
-
-    Each layer's K and V are bound to the graph zero-copy; only the new rows come back from a call and
-    are written at ``length..``. Capacity grows by doubling up to ``max_rows`` (one copy per doubling),
-    so attention never scans much more than the filled part of the buffer.
-    """
-
-    def __init__(self, layers: int, kv_heads: int, head_dim: int, batch: int = 1, max_rows: int = 8192):
-        self.shape = (layers, 2, batch, kv_heads, 0, head_dim)
-        self.batch, self.max_rows = batch, max_rows
-        self.lengths = np.zeros(batch, np.int64)
-        self.kv = np.zeros(self.shape, np.float32)
-        self._values: list[tuple[ort.OrtValue, ort.OrtValue]] = []
-
-    @property
-    def capacity(self) -> int:
-        return self.kv.shape[4]
-
-    def reserve(self, rows: int) -> None:
-        """Make room for ``rows`` more rows in every stream, or raise ContextLimitError."""
-        need = int(self.lengths.max()) + rows
-        if need > self.max_rows:
-            raise ContextLimitError(f"context limit: {need} rows needed, the maximum context is {self.max_rows} rows")
-        if need <= self.capacity:
-            return
-        cap = max(MIN_CAPACITY, self.capacity)
-        while cap < need:
-            cap *= 2
-        cap = min(cap, self.max_rows)
-        grown = np.zeros(self.shape[:4] + (cap,) + self.shape[5:], np.float32)
-        grown[:, :, :, :, : self.capacity] = self.kv
-        self.kv = grown
-        self._values = [(ort.OrtValue.ortvalue_from_numpy(grown[l, 0]), ort.OrtValue.ortvalue_from_numpy(grown[l, 1]))
-                        for l in range(self.shape[0])]
-
-    def bind(self, binding: ort.IOBinding) -> None:
-        for l, (k, v) in enumerate(self._values):
-            binding.bind_ortvalue_input(f"past_key.{l}", k)
-            binding.bind_ortvalue_input(f"past_value.{l}", v)
-
-    def append(self, present: np.ndarray) -> None:
-        """Write the call's new rows ``present[l, kv, b, h, t, d]`` after each stream's filled part."""
-        rows = present.shape[4]
-        for b in range(self.batch):
-            n = int(self.lengths[b])
-            self.kv[:, :, b, :, n:n + rows] = present[:, :, b]
-        self.lengths += rows
-
-    def reset(self) -> None:
-        self.lengths[:] = 0
-
-    @property
-    def nbytes(self) -> int:
-        return self.kv.nbytes
-
-
-@dataclass
-class FrameOutput:
-    codes: np.ndarray    # [batch, 16] int64
-    logits: np.ndarray   # [batch, 16, audio_vocab] raw head logits
 
 
 class TTSModel:
-    """The TTS graphs of a bundle plus everything derived from its manifest (ids, defaults, tokenizer)."""
+    """The TTS graphs of a bundle plus everything derived from its manifest (layout, defaults, tokenizer)."""
 
     def __init__(self, bundle: Bundle, codec: Codec | None = None):
         self.bundle = bundle
-        tts = bundle.section("tts")
-        self.config = tts["config"]
-        self.tokenizer = TextTokenizer(bundle)
-        gen = bundle.section("generation")
+        self.config = bundle.section("tts").config
+        self.tokenizer = TextTokenizer.from_bundle(bundle)
         self.codec = codec or Codec(bundle)
-        self.ids = GridIds(
-            rvq=self.config["rvq"], codebook_size=self.codec.codebook_size, audio_pad=self.config["audio_pad"],
-            audio_bos=self.config["audio_bos"], audio_eos=self.config["audio_eos"],
-            text_pad=self.tokenizer.special_ids["text_pad"], audio_pad_text=self.tokenizer.special_ids["audio_pad"],
-            prefill_text_tokens=gen["prefill_text_tokens"])
-        self.prompt = PromptBuilder(self.tokenizer, self.ids)
-        self.history_pad = self.config["history_pad"]
-        self.vocab = self.config["vocab"]
+        gen = bundle.section("generation")
+        special = bundle.section("tokenizer").special_ids
+        self.layout = GridLayout(
+            codebooks=self.config.rvq, codebook_size=self.codec.codebook_size, audio_pad=self.config.audio_pad,
+            audio_bos=self.config.audio_bos, audio_eos=self.config.audio_eos, text_pad_id=special.text_pad,
+            audio_pad_text_id=special.audio_pad, text_lead=gen.prefill_text_tokens)
+        self.prompt = PromptBuilder(self.tokenizer, self.layout)
+        self.history_pad = self.config.history_pad
+        self.vocab = self.config.vocab
+        self.sampling_defaults = gen.sampling_defaults.model_dump()
         self._backbone = bundle.session("backbone")
         self._depth = bundle.session("depth")
-        self.backbone_timing = CallTiming()
-        self.depth_timing = CallTiming()
-
-    def voice_codes_from_wav(self, wav: np.ndarray, sample_rate: int) -> np.ndarray:
-        """A reference recording as prompt codes: every ``ceil(N/1920)`` frame, first 16 levels (upstream)."""
-        return self.codec.encode(wav, sample_rate)[:, : self.ids.rvq]
 
     def default_sampling(self, **overrides) -> SamplingParams:
-        return SamplingParams.from_manifest(self.bundle.manifest, **overrides)
+        return SamplingParams.from_defaults(self.sampling_defaults, **overrides)
 
-    def new_cache(self, batch: int = 1, max_rows: int = 8192) -> BackboneCache:
+    def kv_pool(self, slots: int, rows: int) -> BackboneKVPool:
         c = self.config
-        return BackboneCache(c["layers"], c["kv_heads"], c["head_dim"], batch, max_rows)
+        return BackboneKVPool(c.layers, c.kv_heads, c.head_dim, slots, rows)
+
+    def kv_bytes_per_slot(self, rows: int) -> int:
+        c = self.config
+        return BackboneKVPool.bytes_per_slot(c.layers, c.kv_heads, c.head_dim, rows)
 
     def check_text_ids(self, ids) -> np.ndarray:
         """Token ids as a flat int64 array, each a valid row of the text embedding."""
@@ -135,36 +67,39 @@ class TTSModel:
         return arr.astype(np.int64)
 
     # ------------------------------------------------------------------ graph calls
-    def backbone(self, grid: np.ndarray, cache: BackboneCache) -> np.ndarray:
-        """Feed rows ``[batch, rows, 17]`` on top of the cache; returns their hidden states ``[batch, rows, H]``."""
+    def run_backbone(self, grid: np.ndarray, pool: BackboneKVPool, lo: int, hi: int,
+                     timing: CallTiming | None = None) -> np.ndarray:
+        """Feed rows ``grid [hi-lo, T, 17]`` to slots ``lo..hi-1`` at their current lengths; the new K/V
+        are written in place at those lengths (the caller advances ``pool.lengths``). Returns the rows'
+        hidden states ``[hi-lo, T, H]``."""
         t0 = time.perf_counter()
-        cache.reserve(grid.shape[1])
         binding = self._backbone.io_binding()
-        binding.bind_cpu_input("grid", np.ascontiguousarray(grid, dtype=np.int64))
-        binding.bind_cpu_input("past_len", cache.lengths)
-        cache.bind(binding)
         binding.bind_output("hidden", "cpu")
-        binding.bind_output("present", "cpu")
+        binding.bind_cpu_input("grid", np.ascontiguousarray(grid, dtype=np.int64))
+        binding.bind_cpu_input("past_len", pool.lengths[lo:hi])
+        pool.bind(binding, lo, hi)
         t1 = time.perf_counter()
         self._backbone.run_with_iobinding(binding)
         t2 = time.perf_counter()
-        hidden, present = (v.numpy() for v in binding.get_outputs())
-        cache.append(present)
-        self.backbone_timing.add(time.perf_counter() - t0, t2 - t1)
+        hidden = binding.get_outputs()[0].numpy()
+        if timing is not None:
+            timing.add(time.perf_counter() - t0, t2 - t1)
         return hidden
 
-    def depth(self, hidden: np.ndarray, history: np.ndarray, params: list[SamplingParams],
-              uniform: np.ndarray, first_frame: bool) -> FrameOutput:
-        """One frame per stream from its last hidden state ``[batch, H]``.
+    def run_depth(self, hidden: np.ndarray, history: np.ndarray, params: list[SamplingParams],
+                  uniform: np.ndarray, first_frame: np.ndarray, timing: CallTiming | None = None) -> np.ndarray:
+        """One frame per row from its last hidden state ``[B, H]``: codes ``[B, 16]``.
 
-        ``history`` ``[batch, window, 16]`` holds earlier frames of the turn (``history_pad`` where none);
-        on a turn's first frame no penalty applies, as upstream.
+        ``history`` ``[B, window, 16]`` holds earlier frames of each row's turn (``history_pad`` where none);
+        rows with ``first_frame`` get no penalty, as upstream. Non-finite logits raise GraphError.
         """
         t0 = time.perf_counter()
+        first = np.asarray(first_frame, bool)
         feeds = {
             "hidden": np.ascontiguousarray(hidden, dtype=np.float32),
             "history": np.ascontiguousarray(history, dtype=np.int64),
-            "repetition_penalty": np.array([1.0 if first_frame else p.repetition_penalty for p in params], np.float32),
+            "repetition_penalty": np.array([1.0 if f else p.repetition_penalty for p, f in zip(params, first)],
+                                           np.float32),
             "temperature": np.array([p.temperature if p.temperature > 0 else 1.0 for p in params], np.float32),
             "top_k": np.array([p.top_k for p in params], np.int64),
             "top_p": np.array([p.top_p for p in params], np.float32),
@@ -174,5 +109,8 @@ class TTSModel:
         t1 = time.perf_counter()
         codes, logits = self._depth.run(["codes", "logits"], feeds)
         t2 = time.perf_counter()
-        self.depth_timing.add(time.perf_counter() - t0, t2 - t1)
-        return FrameOutput(codes, logits)
+        if not np.isfinite(logits).all():
+            raise GraphError("the depth graph produced NaN/Inf logits (damaged bundle?)")
+        if timing is not None:
+            timing.add(time.perf_counter() - t0, t2 - t1)
+        return codes

@@ -3,28 +3,19 @@
 from __future__ import annotations
 
 import datetime as _dt
-import hashlib
 import json
 from pathlib import Path
 
 import onnx
 
+from engine.manifest import FORMAT, FORMAT_VERSION, sha256_file
+
 from . import EXPORTER_VERSION
 from .graph import GraphBuilder, value_info_summary
 
-FORMAT = "mossrt-bundle"
-FORMAT_VERSION = 1
 # Codec weight storage. (int8 MatMulNBits weights were tried: SNR 34 dB on the tiny golden codec and no
 # speed-up at real size on CPU, where the 1-frame step is not weight-bandwidth-bound; not offered.)
 DTYPES = {"fp32": "float32", "fp16": "float16"}
-
-
-def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
 
 
 class BundleWriter:

@@ -7,9 +7,10 @@ in memory as protobuf, and the 2 GB protobuf limit never applies.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import numpy as np
 import onnx
@@ -137,11 +138,23 @@ class GraphBuilder:
         self._weights = WeightFile(self.path.with_name(self.path.name + ".data"))
         self._counter = 0
         self._const_cache: dict[tuple, str] = {}
+        self._scope: list[str] = []
 
     # ------------------------------------------------------------------ names and values
+    @contextlib.contextmanager
+    def scope(self, name: str) -> Iterator[None]:
+        """Nodes and values made inside are named after this module path (``language_model.layers.3.self_attn``),
+        so an onnxruntime profile or a graph viewer reads like the model."""
+        self._scope.append(name)
+        try:
+            yield
+        finally:
+            self._scope.pop()
+
     def fresh(self, hint: str) -> str:
         self._counter += 1
-        return f"{hint}_{self._counter}"
+        prefix = f"{self._scope[-1]}/" if self._scope else ""
+        return f"{prefix}{hint}_{self._counter}"
 
     def input(self, name: str, dtype: int, shape: Sequence[Dim]) -> str:
         self.inputs.append(helper.make_tensor_value_info(name, dtype, list(shape)))
@@ -149,6 +162,11 @@ class GraphBuilder:
 
     def output(self, value: str, name: str, dtype: int, shape: Sequence[Dim]) -> str:
         self.op("Identity", [value], out=name)
+        return self.declare_output(name, dtype, shape)
+
+    def declare_output(self, name: str, dtype: int, shape: Sequence[Dim]) -> str:
+        """Make an existing value (produced under this very name) a graph output, with no Identity in between:
+        outputs the host binds to input memory (in-place KV) must be the producing node's own outputs."""
         self.outputs.append(helper.make_tensor_value_info(name, dtype, list(shape)))
         return name
 
@@ -235,9 +253,14 @@ class GraphBuilder:
             self._const_cache[key] = name
         return self._const_cache[key]
 
-    def op(self, op_type: str, inputs: Sequence[str], out: str | None = None, n_out: int = 1, **attrs):
-        outs = [out] if out is not None else [self.fresh(op_type.lower()) for _ in range(n_out)]
-        self.nodes.append(helper.make_node(op_type, list(inputs), outs, **attrs))
+    def op(self, op_type: str, inputs: Sequence[str], out: str | None = None, n_out: int = 1,
+           outs: Sequence[str] | None = None, **attrs):
+        """Add a node; returns its output name (a list when ``n_out`` > 1). ``out``/``outs`` name the outputs."""
+        if outs is not None:
+            outs, n_out = list(outs), len(outs)
+        else:
+            outs = [out] if out is not None else [self.fresh(op_type.lower()) for _ in range(n_out)]
+        self.nodes.append(helper.make_node(op_type, list(inputs), outs, name=self.fresh(op_type), **attrs))
         return outs[0] if n_out == 1 else outs
 
     # ------------------------------------------------------------------ op families

@@ -26,7 +26,8 @@ from onnx import TensorProto
 from .checkpoint import Checkpoint, CheckpointError
 from .graph import GraphBuilder
 
-FLOAT, INT64, BOOL, DOUBLE = TensorProto.FLOAT, TensorProto.INT64, TensorProto.BOOL, TensorProto.DOUBLE
+FLOAT, INT64, INT32, BOOL, DOUBLE = (TensorProto.FLOAT, TensorProto.INT64, TensorProto.INT32, TensorProto.BOOL,
+                                     TensorProto.DOUBLE)
 
 RVQ = 16                # audio codebooks per frame (grid columns 1..16)
 AUDIO_VOCAB = 1027      # codes 0..1023, 1024 pad, 1025 BOS, 1026 EOS
@@ -193,7 +194,7 @@ class Layer:
 
     def __init__(self, gb: GraphBuilder, ckpt: Checkpoint, spec: StackSpec, index: int):
         lp = f"{spec.prefix}.layers.{index}"
-        self.spec = spec
+        self.spec, self.name = spec, lp
         vec = lambda n: gb.weight(f"{lp}.{n}", ckpt.get(f"{lp}.{n}"))
         mat = lambda n: gb.matmul_weight(ckpt.get(f"{lp}.{n}.weight"), f"{lp}.{n}")
         self.ln1, self.ln2 = vec("input_layernorm.weight"), vec("post_attention_layernorm.weight")
@@ -201,18 +202,23 @@ class Layer:
         self.q, self.k, self.v, self.o = (mat(f"self_attn.{n}_proj") for n in "qkvo")
         self.gate, self.up, self.down = (mat(f"mlp.{n}_proj") for n in ("gate", "up", "down"))
 
-    def qkv(self, gb: GraphBuilder, x: str, cos: str, sin: str) -> tuple[str, str, str]:
-        """x [B, T, hidden] → q [B, H, T, D], k and v [B, KV, T, D] (input RMSNorm, projections, q/k
-        RMSNorm over head_dim, then rotate-half RoPE). cos/sin: [B, 1, T, D] or [1, 1, 1, D]."""
+    def project(self, gb: GraphBuilder, x: str, cos: str, sin: str) -> tuple[str, str, str]:
+        """x [B, T, hidden] → time-major q [B, T, H, D], k and v [B, T, KV, D]: input RMSNorm,
+        projections, q/k RMSNorm over head_dim, then rotate-half RoPE (cos/sin broadcast as [., T, 1, D])."""
         s = self.spec
         h = gb.rms_norm_named(x, self.ln1, s.rms_eps)
-        q = gb.reshape(gb.matmul(h, self.q), [0, 0, s.heads, s.head_dim])
-        k = gb.reshape(gb.matmul(h, self.k), [0, 0, s.kv_heads, s.head_dim])
-        v = gb.reshape(gb.matmul(h, self.v), [0, 0, s.kv_heads, s.head_dim])
-        q = gb.transpose(gb.rms_norm_named(q, self.q_norm, s.rms_eps), [0, 2, 1, 3])     # [B, H, T, D]
-        k = gb.transpose(gb.rms_norm_named(k, self.k_norm, s.rms_eps), [0, 2, 1, 3])     # [B, KV, T, D]
-        q, k = gb.rope_rotate_half(q, cos, sin), gb.rope_rotate_half(k, cos, sin)
-        return q, k, gb.transpose(v, [0, 2, 1, 3])
+        with gb.scope(f"{self.name}.self_attn"):
+            q = gb.reshape(gb.matmul(h, self.q), [0, 0, s.heads, s.head_dim])
+            k = gb.reshape(gb.matmul(h, self.k), [0, 0, s.kv_heads, s.head_dim])
+            v = gb.reshape(gb.matmul(h, self.v), [0, 0, s.kv_heads, s.head_dim])
+            q = gb.rope_rotate_half(gb.rms_norm_named(q, self.q_norm, s.rms_eps), cos, sin)
+            k = gb.rope_rotate_half(gb.rms_norm_named(k, self.k_norm, s.rms_eps), cos, sin)
+        return q, k, v
+
+    def qkv(self, gb: GraphBuilder, x: str, cos: str, sin: str) -> tuple[str, str, str]:
+        """:meth:`project` in head-major layout: q [B, H, T, D], k and v [B, KV, T, D]."""
+        q, k, v = self.project(gb, x, cos, sin)
+        return tuple(gb.transpose(t, [0, 2, 1, 3]) for t in (q, k, v))
 
     def finish(self, gb: GraphBuilder, x: str, q: str, keys: str, values: str, bias: str | None) -> str:
         """GQA attention of q [B, H, T, D] over keys/values [B, KV, S, D] (+ bias [B, 1, G*T, S]), o_proj
@@ -221,27 +227,44 @@ class Layer:
         Query head ``h`` uses kv head ``h // G``: q is viewed as [B, KV, G*T, D] (row ``g*T + t``), so
         no K/V copy per query head is made."""
         s = self.spec
-        qf = gb.reshape(q, [0, s.kv_heads, -1, s.head_dim])                               # [B, KV, G*T, D]
-        scores = gb.op("Mul", [gb.op("MatMul", [qf, gb.transpose(keys, [0, 1, 3, 2])]),
-                               gb.const(1.0 / math.sqrt(s.head_dim))])                 # [B, KV, G*T, S]
-        if bias is not None:
-            scores = gb.op("Add", [scores, bias])
-        att = gb.op("MatMul", [gb.op("Softmax", [scores], axis=-1), values])            # [B, KV, G*T, D]
-        att = gb.transpose(gb.reshape(att, [0, s.heads, -1, s.head_dim]), [0, 2, 1, 3])  # [B, T, H, D]
-        att = gb.reshape(att, [0, 0, s.heads * s.head_dim])
-        x = gb.op("Add", [x, gb.matmul(att, self.o)])
+        with gb.scope(f"{self.name}.self_attn"):
+            qf = gb.reshape(q, [0, s.kv_heads, -1, s.head_dim])                               # [B, KV, G*T, D]
+            scores = gb.op("Mul", [gb.op("MatMul", [qf, gb.transpose(keys, [0, 1, 3, 2])]),
+                                   gb.const(1.0 / math.sqrt(s.head_dim))])                 # [B, KV, G*T, S]
+            if bias is not None:
+                scores = gb.op("Add", [scores, bias])
+            att = gb.op("MatMul", [gb.op("Softmax", [scores], axis=-1), values])            # [B, KV, G*T, D]
+            att = gb.transpose(gb.reshape(att, [0, s.heads, -1, s.head_dim]), [0, 2, 1, 3])  # [B, T, H, D]
+            att = gb.reshape(att, [0, 0, s.heads * s.head_dim])
+        return self.output(gb, x, att)
+
+    def output(self, gb: GraphBuilder, x: str, att: str) -> str:
+        """o_proj of the attention output [B, T, H*D] plus the residual, then the SwiGLU MLP block."""
+        s = self.spec
+        with gb.scope(f"{self.name}.self_attn"):
+            x = gb.op("Add", [x, gb.matmul(att, self.o)])
         h = gb.rms_norm_named(x, self.ln2, s.rms_eps)
-        mlp = gb.matmul(gb.op("Mul", [gb.silu(gb.matmul(h, self.gate)), gb.matmul(h, self.up)]), self.down)
-        return gb.op("Add", [x, mlp])
+        with gb.scope(f"{self.name}.mlp"):
+            mlp = gb.matmul(gb.op("Mul", [gb.silu(gb.matmul(h, self.gate)), gb.matmul(h, self.up)]), self.down)
+            return gb.op("Add", [x, mlp])
 
 
-def past_names(layer: int) -> tuple[str, str]:
-    return f"past_key.{layer}", f"past_value.{layer}"
+def kv_names(layer: int) -> tuple[str, str, str, str]:
+    """(past_key, past_value, present_key, present_value) of backbone layer ``layer``."""
+    return f"past_key.{layer}", f"past_value.{layer}", f"present_key.{layer}", f"present_value.{layer}"
 
 
 # ---------------------------------------------------------------------------------------------- backbone
 def build_backbone(ckpt: Checkpoint, cfg: TTSConfig, path: Path, weight_dtype, matmul_bits: int = 8) -> GraphBuilder:
-    """grid [B, T, 17] + past_len [B] + KV buffers → hidden [B, T, hidden] + present [L, 2, B, KV, T, D]."""
+    """grid [B, T, 17] + past_len [B] + per-layer KV slots [B, KV, capacity, D] → hidden [B, T, hidden].
+
+    Attention is ``com.microsoft.GroupQueryAttention`` over the host's KV slots: stream ``b`` has
+    ``past_len[b]`` valid rows; the call writes the new rows' K (after q/k-norm and RoPE) and V at
+    ``past_len[b]..`` of ``present_*``, which the host binds to the same memory as ``past_*`` (in place:
+    no per-step copy that grows with the context) and attends only to each stream's valid rows. Streams
+    with different lengths share a call when T == 1; with T > 1 and past rows the batch must be 1
+    (GroupQueryAttention's rule), which is how prefills run.
+    """
     s = cfg.backbone
     gb = GraphBuilder("backbone", path, weight_dtype, matmul_bits=matmul_bits)
     grid = gb.input("grid", INT64, ["batch", "rows", cfg.rvq + 1])
@@ -249,44 +272,41 @@ def build_backbone(ckpt: Checkpoint, cfg: TTSConfig, path: Path, weight_dtype, m
 
     # 17 lookups summed in column order (as upstream accumulates them)
     x = None
-    for c in range(cfg.rvq + 1):
-        ids = gb.op("Gather", [grid, gb.const(c, np.int64)], axis=2)                   # [B, T]
-        e = gb.embedding(ids, ckpt.get(f"embed_tokens.{c}.weight", dtype=None), f"embed_tokens.{c}")
-        x = e if x is None else gb.op("Add", [x, e])
+    with gb.scope("embed_tokens"):
+        for c in range(cfg.rvq + 1):
+            ids = gb.op("Gather", [grid, gb.const(c, np.int64)], axis=2)                   # [B, T]
+            e = gb.embedding(ids, ckpt.get(f"embed_tokens.{c}.weight", dtype=None), f"embed_tokens.{c}")
+            x = e if x is None else gb.op("Add", [x, e])
 
-    n_new = gb.dim(grid, 1)
-    new_idx = gb.arange(n_new)                                                          # [T]
-    pos = gb.op("Add", [gb.unsqueeze(past_len, [1]), gb.unsqueeze(new_idx, [0])])      # [B, T]
-    cos, sin = gb.rope_cos_sin(gb.cast(pos, FLOAT), s.inv_freq())                       # [B, T, D]
-    cos, sin = gb.unsqueeze(cos, [1]), gb.unsqueeze(sin, [1])                           # [B, 1, T, D]
+    with gb.scope("rotary"):
+        n_new = gb.dim(grid, 1)
+        pos = gb.op("Add", [gb.unsqueeze(past_len, [1]), gb.unsqueeze(gb.arange(n_new), [0])])  # [B, T]
+        cos, sin = gb.rope_cos_sin(gb.cast(pos, FLOAT), s.inv_freq())                       # [B, T, D]
+        cos, sin = gb.unsqueeze(cos, [2]), gb.unsqueeze(sin, [2])                           # [B, T, 1, D]
+        # GroupQueryAttention's lengths: last valid row per stream, and the longest total length
+        seqlens = gb.cast(gb.op("Sub", [gb.op("Add", [past_len, n_new]), gb.const(1, np.int64)]), INT32)
+        total = gb.cast(gb.op("Add", [gb.op("ReduceMax", [past_len], keepdims=0), n_new]), INT32)
 
-    # additive bias [B, 1, G*T, C+T]: buffer slot j valid iff j < past_len[b]; new rows causal
-    pk0, pv0 = past_names(0)
-    gb.input(pk0, FLOAT, ["batch", s.kv_heads, "capacity", s.head_dim])
-    slots = gb.arange(gb.dim(pk0, 2))                                                   # [C]
-    past_ok = gb.op("Less", [gb.unsqueeze(slots, [0, 1]), gb.unsqueeze(past_len, [1, 2])])  # [B, 1, C]
-    new_ok = gb.op("LessOrEqual", [gb.unsqueeze(new_idx, [0]), gb.unsqueeze(new_idx, [1])])  # [T(q), T(k)]
-    batch = gb.op("Shape", [grid], start=0, end=1)
-    past_ok = gb.op("Expand", [past_ok, gb.concat([batch, gb.op("Shape", [grid], start=1, end=2),
-                                                   gb.op("Shape", [slots])], 0)])      # [B, T, C]
-    new_ok = gb.op("Expand", [gb.unsqueeze(new_ok, [0]), gb.concat([batch, gb.const([1, 1], np.int64)], 0)])
-    ok = gb.concat([past_ok, new_ok], 2)                                                # [B, T, C+T]
-    bias = gb.op("Where", [ok, gb.const(0.0), gb.const(np.finfo(np.float32).min)])
-    bias = gb.op("Tile", [gb.unsqueeze(bias, [1]), gb.const([1, 1, s.heads // s.kv_heads, 1], np.int64)])
-
-    presents = []
     for i in range(s.layers):
         layer = Layer(gb, ckpt, s, i)
-        pk, pv = past_names(i)
-        if i:
-            gb.input(pk, FLOAT, ["batch", s.kv_heads, "capacity", s.head_dim])
+        pk, pv, ok, ov = kv_names(i)
+        gb.input(pk, FLOAT, ["batch", s.kv_heads, "capacity", s.head_dim])
         gb.input(pv, FLOAT, ["batch", s.kv_heads, "capacity", s.head_dim])
-        q, k, v = layer.qkv(gb, x, cos, sin)
-        x = layer.finish(gb, x, q, gb.concat([pk, k], 2), gb.concat([pv, v], 2), bias)
-        presents.append(gb.unsqueeze(gb.concat([gb.unsqueeze(k, [0]), gb.unsqueeze(v, [0])], 0), [0]))
-    hidden = gb.rms_norm_named(x, gb.weight(f"{BACKBONE}.norm.weight", ckpt.get(f"{BACKBONE}.norm.weight")), s.rms_eps)
+        q, k, v = layer.project(gb, x, cos, sin)
+        with gb.scope(f"{layer.name}.self_attn"):
+            att = gb.op(
+                "GroupQueryAttention",
+                [gb.reshape(q, [0, 0, s.heads * s.head_dim]), gb.reshape(k, [0, 0, s.kv_heads * s.head_dim]),
+                 gb.reshape(v, [0, 0, s.kv_heads * s.head_dim]), pk, pv, seqlens, total],
+                outs=[gb.fresh("attn"), ok, ov], domain="com.microsoft", num_heads=s.heads,
+                kv_num_heads=s.kv_heads, scale=1.0 / math.sqrt(s.head_dim))[0]
+        x = layer.output(gb, x, att)
+        gb.declare_output(ok, FLOAT, ["batch", s.kv_heads, "capacity", s.head_dim])
+        gb.declare_output(ov, FLOAT, ["batch", s.kv_heads, "capacity", s.head_dim])
+    with gb.scope(f"{BACKBONE}.norm"):
+        hidden = gb.rms_norm_named(x, gb.weight(f"{BACKBONE}.norm.weight", ckpt.get(f"{BACKBONE}.norm.weight")),
+                                   s.rms_eps)
     gb.output(hidden, "hidden", FLOAT, ["batch", "rows", s.hidden])
-    gb.output(gb.concat(presents, 0), "present", FLOAT, [s.layers, 2, "batch", s.kv_heads, "rows", s.head_dim])
     return gb
 
 

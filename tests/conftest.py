@@ -103,3 +103,13 @@ def model(full_bundle_dir):
     from engine.tts import TTSModel
 
     return TTSModel(Bundle(full_bundle_dir, device=TEST_DEVICE))
+
+
+def backbone_hidden(model, blocks: list[np.ndarray]) -> np.ndarray:
+    """Feed row blocks [T, 17] one call each on a fresh KV slot; the hidden states of the last block."""
+    pool = model.kv_pool(1, sum(len(b) for b in blocks) + 1)
+    hidden = None
+    for rows in blocks:
+        hidden = model.run_backbone(rows[None], pool, 0, 1)[0]
+        pool.lengths[0] += len(rows)
+    return hidden

@@ -12,6 +12,7 @@ import pytest
 import soundfile as sf
 
 from conftest import GOLDEN, golden, tolerance
+from engine.codec import MAX_FRAMES_PER_CALL
 
 
 def mossrt(*args, check=True):
@@ -21,9 +22,11 @@ def mossrt(*args, check=True):
     return proc
 
 
-def test_manifest_lists_graphs_and_hashes(codec_bundle_dir):
+def test_manifest_lists_graphs_and_hashes(codec_bundle_dir, tmp_path):
+    import hashlib
+
     m = json.loads((codec_bundle_dir / "manifest.json").read_text())
-    assert m["format"] == "mossrt-bundle" and m["format_version"] == 1
+    assert m["format"] == "mossrt-bundle" and m["format_version"] == 2
     assert set(m["graphs"]) >= {"codec_encoder", "codec_decoder"}
     dec = m["graphs"]["codec_decoder"]
     names = [i["name"] for i in dec["inputs"]]
@@ -31,8 +34,21 @@ def test_manifest_lists_graphs_and_hashes(codec_bundle_dir):
     assert {"codec_decoder.onnx", "codec_decoder.onnx.data"} <= set(m["files"])
     assert all(len(f["sha256"]) == 64 for f in m["files"].values())
     assert m["codec"]["source_config"]["downsample_rate"] == 1920
-    from engine.bundle import Bundle
-    Bundle(codec_bundle_dir, device="cpu").verify()
+    # every file of the directory is listed with its real size and hash (computed here, independently)
+    on_disk = {p.name for p in codec_bundle_dir.iterdir() if p.name != "manifest.json"}
+    assert set(m["files"]) == on_disk
+    for name, entry in m["files"].items():
+        data = (codec_bundle_dir / name).read_bytes()
+        assert entry == {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}, name
+    # and verify catches a same-size corruption that the size check at load cannot see
+    copy = tmp_path / "b"
+    shutil.copytree(codec_bundle_dir, copy)
+    data = bytearray((copy / "codec_decoder.onnx.data").read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    (copy / "codec_decoder.onnx.data").write_bytes(bytes(data))
+    ok, bad = mossrt("verify", "--bundle", codec_bundle_dir), mossrt("verify", "--bundle", copy, check=False)
+    assert "every sha256 matches" in ok.stdout
+    assert bad.returncode == 2 and "codec_decoder.onnx.data does not match its manifest checksum" in bad.stderr
 
 
 def test_encode_decode_round_trip_cli(codec_bundle_dir, tmp_path):
@@ -205,8 +221,8 @@ def test_cli_usage_errors(codec_bundle_dir, tmp_path):
     np.save(tmp_path / "c.npy", np.zeros((3, 16), np.int64))
     cases = [
         (("codec", "decode", "--bundle", codec_bundle_dir, tmp_path / "c.npy", tmp_path / "missing" / "o.wav"),
-         "cannot write"),
-        (("bench", "codec", "--bundle", codec_bundle_dir, "--repeats", "0"), "repeats >= 1"),
+         "does not exist"),
+        (("bench", "codec", "--bundle", codec_bundle_dir, "--repeats", "0"), "--repeats: must be an integer in 1..100"),
         (("make-checkpoint", "codec", "--preset", "tiny", "--seed", "-1", "--out", tmp_path / "ck"), "--seed"),
         (("codec", "decode", "--bundle", codec_bundle_dir, tmp_path / "c.npy", tmp_path / "o.wav", "--threads", "-2"),
          "threads"),
@@ -220,9 +236,16 @@ def test_cli_usage_errors(codec_bundle_dir, tmp_path):
 
 
 def test_long_decode_is_chunked(codec):
-    """Without a schedule, long code files still go through bounded calls (same audio as one pass)."""
+    """Without a schedule, long code files go through calls of at most MAX_FRAMES_PER_CALL frames (the
+    audio is the same for any chunking); a size beyond the bound is refused."""
     g = golden("codec/codec_long.npz")
-    codes = g["enc_codes"].T[:, :16]
-    a = codec.decode(codes, 16, max_frames_per_call=40)
+    codes = np.tile(g["enc_codes"].T[:, :16], (4, 1))          # 588 frames: more than two full calls
+    dec = codec.streaming_decoder(1, 16)
+    a = codec.decode(codes, 16, decoder=dec)
+    assert dec.timing.calls == -(-len(codes) // MAX_FRAMES_PER_CALL) == 3
+    b = codec.decode(codes, 16, max_frames_per_call=100)
+    assert np.abs(a - b).max() <= tolerance(b)
     ref = g["dec16_audio"]
-    assert np.abs(a - ref).max() <= tolerance(ref)
+    assert np.abs(a[: ref.size] - ref).max() <= tolerance(ref)
+    with pytest.raises(Exception, match="chunk sizes must be integers in 1..250"):
+        codec.decode(codes, 16, max_frames_per_call=10**9)

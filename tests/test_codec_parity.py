@@ -64,7 +64,7 @@ def test_streaming_equals_one_pass(codec, clip, schedule):
     g = golden(clip)
     codes = g["enc_codes"].T[:, :16]
     ref = g["dec16_audio"]
-    dec = codec.streaming_decoder(batch_size=1, n_quantizers=16)
+    dec = codec.streaming_decoder(slots=1, n_quantizers=16)
     pieces, f = [], 0
     for n in _schedule_sizes(schedule, codes.shape[0]):
         piece = dec.decode(codes[f:f + n])
@@ -91,7 +91,7 @@ def test_two_streams_in_one_batch_equal_separate_runs(codec):
     a = long["enc_codes"].T[:29, :16]
     b = short["enc_codes"].T[:, :16]
     solo_a, solo_b = codec.decode(a, 16), codec.decode(b, 16)
-    dec = codec.streaming_decoder(batch_size=2, n_quantizers=16)
+    dec = codec.streaming_decoder(slots=2, n_quantizers=16)
     out = [dec.decode(np.stack([a[f:f + n], b[f:f + n]])) for f, n in ((0, 1), (1, 3), (4, 6), (10, 19))]
     audio = np.concatenate(out, axis=1)
     np.testing.assert_allclose(audio[0], solo_a, atol=tolerance(solo_a), rtol=0)
@@ -102,7 +102,7 @@ def test_streams_at_different_positions(codec):
     """Resetting one stream of a batch leaves the other untouched; each still equals its solo decode."""
     g = golden(LONG)
     codes = g["enc_codes"].T[:, :16]
-    dec = codec.streaming_decoder(batch_size=2, n_quantizers=16)
+    dec = codec.streaming_decoder(slots=2, n_quantizers=16)
     first = dec.decode(np.stack([codes[0:5], codes[0:5]]))
     dec.reset(1)
     second = dec.decode(np.stack([codes[5:10], codes[0:5]]))
@@ -119,3 +119,29 @@ def test_reset_gives_identical_audio(codec):
     dec.reset()
     twice = np.concatenate([dec.decode(codes[f:f + 3]) for f in range(0, 29, 3)])
     np.testing.assert_array_equal(once, twice)
+
+
+def test_streams_advance_by_their_own_counts(codec):
+    """One call carries streams with different numbers of real frames: a rider (0 frames) keeps its state,
+    a stream with fewer frames than the call advances by its own count, and all stay exact."""
+    g = golden(LONG)
+    codes = g["enc_codes"].T[:, :16]
+    full = lambda c: codec.check_codes(c, 16)[0]
+    dec = codec.streaming_decoder(slots=3, n_quantizers=16)
+    pieces = [[], [], []]
+    plan = [(3, 1, 0), (3, 3, 2), (1, 0, 3), (3, 2, 1)]   # real frames per stream per call (call size = max)
+    pos = [0, 0, 0]
+    for counts in plan:
+        n = max(counts)
+        batch = np.zeros((3, n, codec.num_quantizers), np.int64)
+        for s, k in enumerate(counts):
+            if k:
+                batch[s, :k] = full(codes[pos[s]:pos[s] + k])
+        audio = dec.decode_checked(batch, np.array(counts))
+        for s, k in enumerate(counts):
+            pieces[s].append(audio[s, : k * 1920])
+            pos[s] += k
+    assert list(dec.frame_positions) == pos
+    for s in range(3):
+        solo = codec.decode(codes[: pos[s]], 16)
+        np.testing.assert_allclose(np.concatenate(pieces[s]), solo, atol=tolerance(solo), rtol=0)

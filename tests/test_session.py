@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import soundfile as sf
 
-from conftest import TEST_DEVICE, golden, tolerance
+from conftest import TEST_DEVICE, backbone_hidden, golden, tolerance
 
 SPEC_PROMPTS = {
     "turn1_user": "Hey, I just landed in Paris. I have about six hours before my next flight. Any ideas?",
@@ -68,7 +68,7 @@ def test_text_deltas_feed_whole_text_ids(model):
         frames += s.push_text(str(d))
     frames += s.end_text() + s.drain()
     text_rows = np.concatenate(s.context)[len(g["turn_input_ids"]):, 0]
-    fed = [int(t) for t in text_rows if t != model.ids.text_pad]
+    fed = [int(t) for t in text_rows if t != model.layout.text_pad_id]
     assert fed == list(g["whole_text_ids"])
     np.testing.assert_array_equal(codes_of(frames[:-1]), g["nonstream_whole_codes"])
 
@@ -96,45 +96,6 @@ def test_random_splits_give_the_same_ids_and_frames(model, seed):
     np.testing.assert_array_equal(codes_of(frames[:-1]), g["nonstream_whole_codes"])
 
 
-def test_text_committer_property_on_hard_text(model):
-    """Committed ids never change and always end as the whole-text ids: digits, NFC-combining marks,
-    CJK, emoji, whitespace runs, and every added token (``<think>``, ``<tool_call>``...) arriving in
-    pieces, with whitespace runs before them."""
-    from engine.textstream import TextCommitter
-
-    tok = model.tokenizer.backend
-    text = ("Numbers 1234567 and 3.14159, e.g. the well-known value; café naïve e\u0301 — 你好，世界！これは日本語です。"
-            "  spaces   \n\nnew<|im_end|>x <|im_e <|imagine !!!<|text_pad|> emoji 😀👍🏽 done x.<tool_call>y,  </think>"
-            " a   <think>hm</think>  \n <|fim_prefix|>\t</tool_call>")
-    whole = tok.encode(text, add_special_tokens=False).ids
-    rng = random.Random(7)
-    for trial in range(300):
-        step = 1 if trial == 0 else None   # the first trial goes character by character
-        cuts = list(range(1, len(text))) if step else sorted(rng.sample(range(1, len(text)), rng.randint(0, 60)))
-        tc = TextCommitter(tok, model.tokenizer.added_tokens())
-        out = []
-        for a, b in zip([0] + cuts, cuts + [len(text)]):
-            out += tc.push(text[a:b])
-            assert out == whole[: len(out)]  # committed ids never change
-        assert out + tc.finish() == whole
-
-
-def test_text_committer_rejects_bad_unicode(model):
-    from engine.errors import InputError
-    from engine.textstream import TextCommitter
-
-    tc = TextCommitter(model.tokenizer.backend, model.tokenizer.added_tokens())
-    with pytest.raises(InputError, match="Unicode"):
-        tc.push("\ud800")
-    tc.push("é".encode()[:1])
-    with pytest.raises(InputError, match="half-received"):
-        tc.push("x")
-    tc.push("é".encode()[1:])
-    with pytest.raises(InputError, match="UTF-8"):
-        TextCommitter(model.tokenizer.backend, []).push(b"\xff")
-    assert tc.finish() == model.tokenizer.encode("é")
-
-
 def test_multiturn_reuses_the_kv_cache(model):
     g = golden("tts/tts_multiturn.npz")
     s = new_session(model, voice=g["voice_prompt_codes"].T)
@@ -158,7 +119,7 @@ def test_app_text_only_user_turn(model):
     g = golden("tts/tts_app_stream.npz")
     rows = g["turn_input_ids"]
     voice = g["prompt_codes"].T
-    system = model.prompt.system_block(model.prompt.check_voice_codes(voice))
+    system = model.prompt.system_block(model.prompt.check_codes(voice))
     # the user text is whatever the golden grid holds between "user\n" and the closing <|im_end|>
     user_ids = rows[len(system) + 5: -5, 0]
     user_text = model.tokenizer.decode(list(user_ids))
@@ -205,11 +166,9 @@ def test_multiturn_audio_matches_upstream(model):
         ref = g[f"{key}_wav"]
         assert audio.shape == ref.shape and np.abs(audio - ref).max() <= tolerance(ref)
         if n == 1:  # turn 2's prefill sees turn 1's whole context: its hidden states match upstream's
-            probe = model.new_cache()
-            model.backbone(s.context_ids()[None], probe)
             turn2 = model.prompt.user_turn(SPEC_PROMPTS["turn2_user"], g["turn2_user_audio_codes"].T)
             rows = np.concatenate([turn2, model.prompt.prefill_text(g["turn2_streamed_text_ids"])])
-            hidden = model.backbone(rows[None], probe)[0]
+            hidden = backbone_hidden(model, [s.context_ids(), rows])
             ref_h = g["turn2_prefill_hidden"]
             assert np.abs(hidden - ref_h).max() <= tolerance(ref_h)
 
@@ -241,11 +200,11 @@ def test_pacing_prefill_at_12th_id_no_pad_before_end(model):
         out = s.push_token_ids([t])
         assert len(out) == 1 and s.context_rows == prefill_rows + k
         assert s.context[-1][0, 0] == t            # one committed id per frame, never a pad
-    assert all(r[0, 0] != model.ids.text_pad for r in s.context[1:])
+    assert all(r[0, 0] != model.layout.text_pad_id for r in s.context[1:])
     out = s.push_token_ids(ids[20:])
     assert len(out) == len(ids) - 20
     tail = s.end_text() + s.drain()
-    assert all(r[0, 0] == model.ids.text_pad for r in s.context[len(ids) - 11:])
+    assert all(r[0, 0] == model.layout.text_pad_id for r in s.context[len(ids) - 11:])
     assert len(tail) == len(g["frames"]) - (len(ids) - 11)
 
 
@@ -254,7 +213,7 @@ def test_short_text_prefills_at_end_of_text(model):
     s.begin_turn()
     assert s.push_text("Hi there.") == []
     out = s.end_text()
-    assert len(out) == 1 and s.context[0][-1, 1] == model.ids.audio_bos
+    assert len(out) == 1 and s.context[0][-1, 1] == model.layout.audio_bos
     assert s.context[0][-1, 0] == model.tokenizer.encode("Hi there.")[-1]
 
 
@@ -264,20 +223,50 @@ def test_cancel_then_next_turn_equals_session_with_fed_rows(model):
     ids1, ids2 = list(g["turn1_streamed_text_ids"]), list(g["turn2_streamed_text_ids"])
     a = new_session(model)
     a.begin_turn(user_text="first")
-    a.push_token_ids(ids1[:16])         # prefill + 4 frames, then barge-in
+    frames = a.push_token_ids(ids1[:16])    # prefill + 4 frames, then barge-in
     a.cancel()
     assert a.turn_done and a.stats.finish_reason == "cancelled"
     assert a.push_token_ids(ids1[16:20]) == []  # nothing more for a cancelled turn
+    # exactly the prefill and one step row per frame but the last were fed: the last frame never is
+    prompt = model.prompt.turn_prompt(True, None, "first")
+    assert len(frames) == 5 and a.context_rows == len(prompt) + 12 + 4
     fed = a.context_ids()
+    np.testing.assert_array_equal(fed[: len(prompt)], prompt)
+    np.testing.assert_array_equal(fed[len(prompt) + 12:, 1:], codes_of(frames[:4]))
     frames_a = run_turn_ids(a, ids2, [12, 20], user_text="second")
 
-    # reference: the same rows fed directly, then the same second turn
+    # reference: a fresh session primed with exactly those rows, then the same second turn
     b = new_session(model)
-    model.backbone(fed[None], b.cache)
-    b.context.append(fed)
-    b.turns = 1
+    b.prime(fed)
+    assert b.context_rows == len(fed)
     frames_b = run_turn_ids(b, ids2, [32], user_text="second")
     np.testing.assert_array_equal(codes_of(frames_a), codes_of(frames_b))
+    np.testing.assert_array_equal(a.context_ids(), b.context_ids())
+
+
+def test_truncate_keeps_what_was_heard(model):
+    """After a cancel, truncating to the audio heard leaves the context of a turn that ended there: the
+    next turn equals a session primed with the prefill and the step rows carrying the heard frames."""
+    g = golden("tts/tts_multiturn.npz")
+    ids1, ids2 = list(g["turn1_streamed_text_ids"]), list(g["turn2_streamed_text_ids"])
+    a = new_session(model)
+    a.begin_turn(user_text="first")
+    frames = a.push_token_ids(ids1[:20])            # 9 frames
+    a.cancel()
+    prefill = len(model.prompt.turn_prompt(True, None, "first")) + 12
+    kept = a.truncate_turn(3)                        # the listener heard 3 frames (240 ms)
+    assert kept == prefill + 3 == a.context_rows
+    heard = a.context_ids()
+    np.testing.assert_array_equal(heard[prefill:, 1:], codes_of(frames[:3]))
+    frames_a = run_turn_ids(a, ids2, [32], user_text="second")
+    b = new_session(model)
+    b.prime(heard)
+    frames_b = run_turn_ids(b, ids2, [32], user_text="second")
+    np.testing.assert_array_equal(codes_of(frames_a), codes_of(frames_b))
+    with pytest.raises(Exception, match="truncate after the turn has ended"):
+        a.begin_turn(user_text="third")
+        a.push_token_ids(ids2[:12])
+        a.truncate_turn(1)
 
 
 def test_context_limit(model):
@@ -288,7 +277,7 @@ def test_context_limit(model):
         s.begin_turn(user_text="x" * 400, params=model.default_sampling(temperature=0.3))
     assert s.state.value == "idle" and s.context_rows == 0  # the failed turn changed nothing
     s.begin_turn()                          # still usable: 61 prompt rows fit
-    assert s._turn.params == greedy(model)
+    assert s.stream.turn_params == greedy(model)
     frames = s.push_token_ids(list(golden("tts/tts_streaming.npz")["streamed_text_ids"]))
     frames += s.end_text() + s.drain()
     assert s.stats.finish_reason == "context_limit"
@@ -352,27 +341,34 @@ def test_bad_input_errors(model):
         s.begin_turn()
 
 
-def test_open_close_cycles_free_memory(model):
-    import gc
-    import tracemalloc
+def rss_bytes() -> int:
+    """Resident memory of this process (onnxruntime's native allocations included)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmRSS")
 
+
+def test_open_close_cycles_free_memory(model):
     ids = list(golden("tts/tts_streaming.npz")["streamed_text_ids"])
-    tracemalloc.start()
 
     def cycle():
         s = new_session(model)
-        run_turn_ids(s, ids, [36])
+        s.begin_turn(max_frames=3)
+        s.push_token_ids(ids[:14])
+        s.end_text()
+        s.drain()
         s.close()
 
-    cycle()
-    gc.collect()
-    base = tracemalloc.get_traced_memory()[0]
-    for _ in range(15):
+    for _ in range(10):
         cycle()
-    gc.collect()
-    grown = tracemalloc.get_traced_memory()[0] - base
-    tracemalloc.stop()
-    assert grown < 2_000_000, grown  # one session's KV alone is larger than this
+    base = rss_bytes()
+    for _ in range(150):
+        cycle()
+    grown = rss_bytes() - base
+    print(f"RSS after 10 cycles {base / 2**20:.1f} MiB, growth over 150 more {grown / 2**20:.2f} MiB")
+    assert grown < 8 * 2**20, grown   # a leak of one session's codec rings (~0.75 MB) per cycle would show
 
 
 # ---------------------------------------------------------------------------------------------- replay CLI
@@ -409,17 +405,22 @@ def test_replay_cli_deltas_and_errors(tmp_path, full_bundle_dir):
            "bad_ids": {"turns": [{"assistant_token_ids": [1.5]}]},
            "bad_path": {"voice_codes": 5, "turns": [{"assistant_token_ids": [1]}]},
            "bad_user": {"turns": [{"user_audio_codes": ["x"], "assistant_token_ids": [1]}]},
-           "no_turns": {"turns": []}}
+           "no_turns": {"turns": []},
+           "typo": {"voice_code": "v.npy", "turns": [{"assistant_token_ids": [1]}]}}
     for name, script in [("ok", ok)] + list(bad.items()):
         (tmp_path / f"{name}.json").write_text(json.dumps(script))
+    (tmp_path / "not_utf8.json").write_bytes('{"turns": [{"assistant_deltas": ["caf\u00e9"]}]}'.encode("latin-1"))
     run = lambda name: subprocess.run([sys.executable, "-m", "mossrt.cli", "replay", "--bundle", str(full_bundle_dir),
                                        str(tmp_path / f"{name}.json"), "--out-dir", str(tmp_path / name), "--greedy",
                                        "--device", TEST_DEVICE], capture_output=True, text=True)
     proc = run("ok")
     assert proc.returncode == 0, proc.stderr
     np.testing.assert_array_equal(np.load(tmp_path / "ok" / "turn0_codes.npy"), g["nonstream_whole_codes"])
-    for name, message in (("bad", "exactly one of"), ("bad_deltas", "list of strings"),
-                          ("bad_null", "list of strings"), ("bad_ids", "list of integers"),
-                          ("bad_path", "must be a path"), ("bad_user", "must be a path"), ("no_turns", "turns")):
+    for name, message in (("bad", "exactly one of"),
+                          ("bad_deltas", "turns.0.assistant_deltas: Input should be a valid list"),
+                          ("bad_null", "exactly one of"), ("bad_ids", "turns.0.assistant_token_ids.0"),
+                          ("bad_path", "voice_codes"), ("bad_user", "turns.0.user_audio_codes"),
+                          ("no_turns", "turns: List should have at least 1 item"),
+                          ("typo", "voice_code: Extra inputs are not permitted"), ("not_utf8", "not UTF-8")):
         proc = run(name)
         assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr, (name, proc.stderr)

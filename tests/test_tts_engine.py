@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import soundfile as sf
 
-from conftest import TEST_DEVICE, GOLDEN, golden, tolerance
+from conftest import TEST_DEVICE, GOLDEN, backbone_hidden, golden, tolerance
 
 CASES = ["text_only", "voice_clone"]
 TEXTS = {"text_only": "Welcome to the world of MOSS TTS Realtime. Experience how text transforms into smooth, "
@@ -22,10 +22,11 @@ TEXTS = {"text_only": "Welcome to the world of MOSS TTS Realtime. Experience how
 def voice_for(model, case):
     if case != "voice_clone":
         return None
-    from engine.generate import resolve_voice
+    from engine.limits import Limits
+    from engine.voices import resolve_voice
 
     g = golden("tts/tts_voice_clone.npz")
-    return resolve_voice(model, voice_wav=(g["ref_wav"], 24000))
+    return resolve_voice(model, Limits(), wav=(g["ref_wav"], 24000))
 
 
 def mossrt(*args):
@@ -88,11 +89,18 @@ def test_unplayable_frames_are_dropped_from_the_audio(model):
 
 
 def test_max_frames_limit(model):
+    """A frame limit that cannot feed the whole text is refused before any work; the smallest one that
+    can (every id fed, one frame after it) runs and ends by the limit, not silently."""
+    from engine.errors import InputError
     from engine.generate import generate
 
-    gen = generate(model, text=TEXTS["text_only"], params=model.default_sampling(greedy=True), max_frames=5)
-    assert not gen.stopped_on_eos and gen.codes.shape == (5, 16)
-    np.testing.assert_array_equal(gen.codes, golden("tts/tts_text_only.npz")["greedy_rep_codes"][:5])
+    ids = golden("tts/tts_text_only.npz")["text_ids"]
+    least = len(ids) - 12 + 2
+    with pytest.raises(InputError, match=f"at most {least - 1} frames can speak at most {len(ids) - 1}"):
+        generate(model, text=TEXTS["text_only"], params=model.default_sampling(greedy=True), max_frames=least - 1)
+    gen = generate(model, text=TEXTS["text_only"], params=model.default_sampling(greedy=True), max_frames=least)
+    assert not gen.stopped_on_eos and gen.finish_reason == "max_frames" and gen.codes.shape == (least, 16)
+    np.testing.assert_array_equal(gen.codes, golden("tts/tts_text_only.npz")["greedy_rep_codes"][:least])
 
 
 def test_synth_greedy_waveform_equals_one_pass_decode(full_bundle_dir, model, tmp_path):
@@ -134,13 +142,12 @@ def test_in_graph_draw_follows_the_filtered_distribution(model):
     match upstream's filtered distribution (``sampling_probs[0]``), and the golden sampled runs' first
     codes must lie in its support."""
     g = golden("tts/tts_text_only.npz")
-    cache = model.new_cache()
-    hidden = model.backbone(g["prefill_ids"][None], cache)[:, -1]
+    hidden = backbone_hidden(model, [g["prefill_ids"]])[-1:]
     n = 4000
     params = [model.default_sampling()] * n
     history = np.full((n, 50, 16), model.history_pad, np.int64)
     uniform = np.random.default_rng(0).random((n, 16), dtype=np.float32)
-    codes = model.depth(np.repeat(hidden, n, 0), history, params, uniform, first_frame=True).codes
+    codes = model.run_depth(np.repeat(hidden, n, 0), history, params, uniform, np.ones(n, bool))
     hist = np.bincount(codes[:, 0], minlength=1027) / n
     probs = g["sampling_probs"][0]
     assert np.abs(hist - probs).max() < 0.03
@@ -168,7 +175,9 @@ def test_sampled_lengths_consistent_with_upstream(model):
     (["--text", "hi", "--temperature", "-0.5"], "temperature must be >= 0"),
     (["--text", "hi", "--top-p", "0"], "top_p must be in (0, 1]"),
     (["--text", "hi", "--top-p", "1.5"], "top_p must be in (0, 1]"),
-    (["--text", "hi", "--top-k", "-1"], "top_k must be an integer >= 0"),
+    (["--text", "hi", "--top-k", "-1"], "top_k must be an integer in 0..1048576"),
+    (["--text", "hi", "--top-k", "99999999999999999999"], "--top-k"),
+    (["--text", "hi", "--max-text-chars", "0"], "--max-text-chars"),
     (["--text", "hi", "--repetition-penalty", "0"], "repetition_penalty must be > 0"),
     (["--text", "hi", "--max-frames", "0"], "max_frames"),
     (["--text", "hi", "--max-frames", "9000"], "max_frames must be an integer in 1..3750"),
@@ -212,8 +221,8 @@ def test_invalid_unicode_text(model):
 
 
 def test_context_limit_is_a_clear_error(model):
-    from engine.errors import InputError
+    from engine.errors import ContextLimitError
+    from engine.session import StreamingSession
 
-    with pytest.raises(InputError, match="context limit"):
-        cache = model.new_cache(max_rows=40)
-        model.backbone(model.prompt.tts_prompt()[None], cache)
+    with pytest.raises(ContextLimitError, match="context limit"):
+        StreamingSession(model, max_context_rows=40).begin_turn()

@@ -42,18 +42,22 @@ class Graphs:
         c = self.cfg
         return np.zeros((c["layers"], 2, batch, c["kv_heads"], capacity, c["head_dim"]), np.float32)
 
-    def step(self, kv: np.ndarray, rows: np.ndarray, past_len, write: bool = True) -> np.ndarray:
-        """rows [B, T, 17] at positions past_len[b].. → hidden [B, T, H]; writes the new K/V into kv."""
-        past_len = np.asarray(past_len, dtype=np.int64)
-        feed = {"grid": np.ascontiguousarray(rows, dtype=np.int64), "past_len": past_len}
+    def step(self, kv: np.ndarray, rows: np.ndarray, past_len) -> np.ndarray:
+        """rows [B, T, 17] at positions past_len[b].. → hidden [B, T, H]; the graph writes the new K/V into
+        kv in place (each layer's K and V are bound as both past and present)."""
+        binding = self.backbone.io_binding()
+        binding.bind_output("hidden", "cpu")
+        binding.bind_cpu_input("grid", np.ascontiguousarray(rows, dtype=np.int64))
+        binding.bind_cpu_input("past_len", np.asarray(past_len, dtype=np.int64))
         for layer in range(self.cfg["layers"]):
-            feed[f"past_key.{layer}"] = kv[layer, 0]
-            feed[f"past_value.{layer}"] = kv[layer, 1]
-        hidden, present = self.backbone.run(None, feed)
-        T = rows.shape[1]
-        for b, p in enumerate(past_len if write else []):
-            kv[:, :, b, :, p:p + T] = present[:, :, b]
-        return hidden
+            for j, kind in enumerate(("key", "value")):
+                view = kv[layer, j]
+                assert view.flags.c_contiguous   # an OrtValue over a copy would lose the in-place write
+                value = ort.OrtValue.ortvalue_from_numpy(view)
+                binding.bind_ortvalue_input(f"past_{kind}.{layer}", value)
+                binding.bind_ortvalue_output(f"present_{kind}.{layer}", value)
+        self.backbone.run_with_iobinding(binding)
+        return binding.get_outputs()[0].numpy()
 
     def frame(self, hidden, history, penalty=1.0, greedy=True, temperature=1.0, top_k=0, top_p=1.0,
               uniform=None):
@@ -131,8 +135,8 @@ def greedy_runs(graphs) -> dict:
 @pytest.mark.parametrize("case", CASES)
 def test_prefill_hidden(graphs, case):
     gd = tts_golden(case)
-    kv = graphs.kv_buffer(1, 0)    # capacity 0: a prefill needs no buffer
-    hidden = graphs.step(kv, gd["prefill_ids"][None], [0], write=False)[0]
+    kv = graphs.kv_buffer(1, gd["prefill_ids"].shape[0])
+    hidden = graphs.step(kv, gd["prefill_ids"][None], [0])[0]
     ref = gd["prefill_hidden"]
     assert hidden.shape == ref.shape
     err = max_err(hidden, ref)
@@ -474,7 +478,9 @@ def test_manifest_section(tts_bundle_dir):
     assert tts["ignored_tensors"] == ["language_model.embed_tokens.weight"]
     bb = manifest["graphs"]["backbone"]
     assert [i["name"] for i in bb["inputs"][:4]] == ["grid", "past_len", "past_key.0", "past_value.0"]
-    assert bb["outputs"][1] == {"name": "present", "dtype": "float32", "shape": [2, 2, "batch", 2, "rows", 8]}
+    assert bb["outputs"][:2] == [{"name": f"present_{k}.0", "dtype": "float32", "shape": ["batch", 2, "capacity", 8]}
+                                 for k in ("key", "value")]
+    assert bb["outputs"][-1] == {"name": "hidden", "dtype": "float32", "shape": ["batch", "rows", 32]}
     depth = manifest["graphs"]["depth"]
     assert [o["name"] for o in depth["outputs"]] == ["codes", "logits"]
     assert {"backbone.onnx", "depth.onnx", "sampling_filter.onnx"} <= set(manifest["files"])
@@ -536,6 +542,24 @@ def test_bad_config_and_dtype(tmp_path):
 
 
 def test_fixtures_are_local():
+    """The goldens the tests read live in the project (a fresh clone passes without the shared dir): every
+    fixture file is a byte-exact copy of the golden set's manifest entry, and no test reads the shared dir."""
+    import hashlib
+    from pathlib import Path
+
     from export.demo import TOKENIZER_JSON  # the golden tokenizer, shipped with the package
 
-    assert GOLDEN.is_dir() and TOKENIZER_JSON.is_file()
+    tests = Path(__file__).parent
+    assert GOLDEN.resolve().is_relative_to(tests.resolve())
+    entries = {e["path"]: e for e in json.loads((GOLDEN / "manifest.json").read_text())}
+    local = [p for p in GOLDEN.rglob("*") if p.is_file() and p.suffix in (".npz", ".json", ".safetensors")
+             and p.name != "manifest.json"]
+    assert len(local) >= 10
+    for path in local:
+        entry = entries[path.relative_to(GOLDEN).as_posix()]
+        assert hashlib.sha256(path.read_bytes()).hexdigest() == entry["sha256"], path
+    tok = json.loads(TOKENIZER_JSON.read_text())
+    assert tok["added_tokens"][11]["content"] == "<|audio_pad|>" and tok["added_tokens"][12]["content"] == "<|text_pad|>"
+    shared = "/".join(("..", "shared"))   # spelled apart so this file does not match itself
+    for source in tests.glob("*.py"):
+        assert shared not in source.read_text(), source

@@ -1,0 +1,307 @@
+"""The device side of generation: one tick advances every stream that has work, in batched graph calls.
+
+A :class:`StepRunner` owns the backbone KV slot pool and the codec decoder rings for up to ``slots``
+streams (a stream holds one slot while attached). Each :meth:`StepRunner.tick`:
+
+1. asks every attached stream what it wants fed (``StreamState.want``);
+2. runs prefills as batch-1 backbone calls on the stream's own slot, in chunks of ``prefill_chunk_rows``
+   at fixed offsets of the prefill (so results never depend on load), at most about
+   ``prefill_rows_per_tick`` rows per tick: running streams wait at most that long for a newcomer;
+3. runs one batched backbone step for every stream that feeds one row, binding the contiguous prefix of
+   slots; streams in that prefix with nothing to feed ride along with a dummy row written past their
+   valid rows (their cache is untouched);
+4. runs one batched depth call for every stream whose rows are complete (per-row sampling settings,
+   draws and first-frame flags);
+5. runs one batched codec decode for every new playable frame (riders again untouched).
+
+A failing call is retried stream by stream, so a stream whose state breaks a graph fails alone.
+Not thread-safe: one thread drives a runner (the scheduler's loop, or a session's caller).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .errors import CapacityError, GraphError, InputError
+from .stream import Frame, StepRequest, StreamState
+from .timing import CallTiming
+
+log = logging.getLogger("mossrt.runner")
+
+DEFAULT_PREFILL_CHUNK_ROWS = 64
+DEFAULT_PREFILL_ROWS_PER_TICK = 64
+
+
+@dataclass
+class RunnerTiming:
+    prefill: CallTiming = field(default_factory=CallTiming)
+    step: CallTiming = field(default_factory=CallTiming)
+    depth: CallTiming = field(default_factory=CallTiming)
+    codec: CallTiming = field(default_factory=CallTiming)
+    ticks: int = 0
+    tick_s: float = 0.0
+
+    @property
+    def graph_run_s(self) -> float:
+        return sum(t.run_s for t in (self.prefill, self.step, self.depth, self.codec))
+
+
+@dataclass
+class _Entry:
+    stream: StreamState
+    slot: int
+    serial: int                        # attach order: prefills are served first come, first served
+    request: StepRequest | None = None
+    fed: int = 0                       # rows of the request already fed (chunked prefill)
+    codec_turn: int = -1               # the turn whose audio the codec ring holds
+
+
+@dataclass
+class TickResult:
+    frames: list[tuple[StreamState, Frame]] = field(default_factory=list)
+    failed: list[tuple[StreamState, Exception]] = field(default_factory=list)
+    worked: bool = False               # any graph ran
+
+
+class StepRunner:
+    def __init__(self, model, slots: int, max_context_rows: int,
+                 prefill_chunk_rows: int = DEFAULT_PREFILL_CHUNK_ROWS,
+                 prefill_rows_per_tick: int = DEFAULT_PREFILL_ROWS_PER_TICK):
+        for name, v in (("slots", slots), ("prefill_chunk_rows", prefill_chunk_rows),
+                        ("prefill_rows_per_tick", prefill_rows_per_tick), ("max_context_rows", max_context_rows)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise InputError(f"{name} must be an integer >= 1, got {v!r}")
+        self.model = model
+        self.slots = slots
+        self.max_context_rows = max_context_rows
+        self.prefill_chunk_rows = prefill_chunk_rows
+        self.prefill_rows_per_tick = prefill_rows_per_tick
+        self.kv = model.kv_pool(slots, max_context_rows)
+        self.decoder = model.codec.streaming_decoder(slots, model.layout.codebooks)
+        self.timing = RunnerTiming(codec=self.decoder.timing)
+        self._entries: list[_Entry] = []          # index = slot
+        self._serial = 0
+        lay = model.layout
+        self._rider_row = model.prompt.text_rows([lay.text_pad_id])[0]
+
+    # ------------------------------------------------------------------ slots
+    @property
+    def attached(self) -> int:
+        return len(self._entries)
+
+    @property
+    def free_slots(self) -> int:
+        return self.slots - len(self._entries)
+
+    def bytes_per_stream(self) -> int:
+        return self.kv.nbytes_per_slot + self.decoder.state_bytes_per_stream
+
+    def attach(self, stream: StreamState) -> int:
+        """Give ``stream`` a slot (for its life); CapacityError when every slot is taken."""
+        if stream.limits.max_context_rows > self.max_context_rows:
+            raise InputError(f"the stream allows {stream.limits.max_context_rows} context rows; this runner's "
+                             f"slots hold {self.max_context_rows}")
+        if any(e.stream is stream for e in self._entries):
+            raise InputError("the stream is already attached")
+        if not self.free_slots:
+            raise CapacityError(f"all {self.slots} stream slots are in use")
+        slot = len(self._entries)
+        self._serial += 1
+        self._entries.append(_Entry(stream, slot, self._serial))
+        self.kv.lengths[slot] = 0
+        self.decoder.reset(slot)
+        return slot
+
+    def detach(self, stream: StreamState) -> None:
+        """Free the stream's slot; the last slot's stream moves into it so active slots stay a prefix."""
+        entry = self._entry(stream)
+        if entry.request is not None:
+            stream.release(entry.request)
+        last = self._entries[-1]
+        if last is not entry:
+            self.kv.move(last.slot, entry.slot)
+            self.decoder.move(last.slot, entry.slot)
+            last.slot = entry.slot
+            self._entries[entry.slot] = last
+        self._entries.pop()
+        self.kv.lengths[len(self._entries)] = 0
+
+    def slot_of(self, stream: StreamState) -> int:
+        return self._entry(stream).slot
+
+    def context_rows(self, stream: StreamState) -> int:
+        return int(self.kv.lengths[self._entry(stream).slot])
+
+    def _entry(self, stream: StreamState) -> _Entry:
+        for e in self._entries:
+            if e.stream is stream:
+                return e
+        raise InputError("the stream is not attached to this runner")
+
+    # ------------------------------------------------------------------ one tick
+    def tick(self) -> TickResult:
+        t0 = time.perf_counter()
+        result = TickResult()
+        for e in self._entries:
+            if e.request is None and self.kv.lengths[e.slot] > e.stream.fed_rows:
+                self.kv.lengths[e.slot] = e.stream.fed_rows     # the stream truncated its context
+            if e.request is not None and e.stream.aborted(e.request):
+                e.stream.release(e.request)
+                e.request = None
+            if e.request is None:
+                e.request = e.stream.want()
+                e.fed = 0
+        prefills = sorted((e for e in self._entries if e.request is not None and len(e.request.rows) > 1),
+                          key=lambda e: e.serial)
+        decodes = [e for e in self._entries if e.request is not None and len(e.request.rows) == 1]
+        done: list[tuple[_Entry, np.ndarray]] = []
+        if prefills:
+            done += self._prefill(prefills, result)
+        if decodes:
+            done += self._step(decodes, result)
+        primed = [(e, h) for e, h in done if not e.request.sample]
+        for e, _ in primed:
+            e.stream.release(e.request)
+            e.request = None
+        done = [(e, h) for e, h in done if e.request is not None]
+        if done:
+            frames = self._depth(done, result)
+            if frames:
+                self._decode_audio(frames, result)
+                result.frames += [(e.stream, f) for e, f in frames]
+        if result.worked:
+            self.timing.ticks += 1
+            self.timing.tick_s += time.perf_counter() - t0
+        return result
+
+    def has_work(self) -> bool:
+        """Whether a tick now would run a graph (a request in flight, or a stream that wants rows)."""
+        return any(e.request is not None for e in self._entries)
+
+    # ------------------------------------------------------------------ phases
+    def _chunk_end(self, e: _Entry) -> int:
+        """End of the next prefill chunk: chunks start at multiples of prefill_chunk_rows from the start
+        of the request, except that the request's cacheable prefix (system block) ends a chunk too."""
+        n, c, start = len(e.request.rows), self.prefill_chunk_rows, e.fed
+        prefix = e.request.prefix_rows
+        if start < prefix:
+            return min(prefix, (start // c + 1) * c)
+        return min(n, start + c)
+
+    def _prefill(self, entries: list[_Entry], result: TickResult) -> list[tuple[_Entry, np.ndarray]]:
+        done = []
+        budget = self.prefill_rows_per_tick
+        for e in entries:
+            while budget > 0 and e.request is not None and e.fed < len(e.request.rows):
+                if e.stream.aborted(e.request):
+                    e.stream.release(e.request)
+                    e.request = None
+                    break
+                end = self._chunk_end(e)
+                rows = e.request.rows[e.fed:end]
+                try:
+                    hidden = self.model.run_backbone(rows[None], self.kv, e.slot, e.slot + 1, self.timing.prefill)
+                    if not np.isfinite(hidden).all():
+                        raise GraphError("the backbone produced NaN/Inf hidden states (damaged bundle?)")
+                except Exception as exc:  # noqa: BLE001 - any failure of this stream's call fails this stream only
+                    self._fail(e, exc, result)
+                    break
+                result.worked = True
+                self.kv.lengths[e.slot] += len(rows)
+                e.stream.on_fed(e.request, rows)
+                e.fed = end
+                budget -= len(rows)
+                if e.fed == len(e.request.rows):
+                    done.append((e, hidden[0, -1]))
+        return done
+
+    def _step(self, entries: list[_Entry], result: TickResult) -> list[tuple[_Entry, np.ndarray]]:
+        def run(group: list[_Entry]) -> list[tuple[_Entry, np.ndarray]]:
+            lo, hi = min(e.slot for e in group), max(e.slot for e in group) + 1
+            grid = np.broadcast_to(self._rider_row, (hi - lo, 1, len(self._rider_row))).copy()
+            for e in group:
+                grid[e.slot - lo, 0] = e.request.rows[0]
+            hidden = self.model.run_backbone(grid, self.kv, lo, hi, self.timing.step)
+            out = []
+            for e in group:
+                h = hidden[e.slot - lo, 0]
+                if not np.isfinite(h).all():
+                    self._fail(e, GraphError("the backbone produced NaN/Inf hidden states"), result)
+                    continue
+                self.kv.lengths[e.slot] += 1
+                e.stream.on_fed(e.request, e.request.rows)
+                out.append((e, h))
+            return out
+
+        return self._isolated(run, entries, result)
+
+    def _depth(self, done: list[tuple[_Entry, np.ndarray]], result: TickResult) -> list[tuple[_Entry, Frame]]:
+        def run(group: list[tuple[_Entry, np.ndarray]]) -> list[tuple[_Entry, Frame]]:
+            reqs = [e.request for e, _ in group]
+            window = max(r.history.shape[0] for r in reqs)
+            history = np.full((len(reqs), window, self.model.layout.codebooks), self.model.history_pad, np.int64)
+            for i, r in enumerate(reqs):
+                history[i, window - r.history.shape[0]:] = r.history
+            codes = self.model.run_depth(np.stack([h for _, h in group]), history, [r.params for r in reqs],
+                                         np.stack([r.uniform for r in reqs]), np.array([r.first_frame for r in reqs]),
+                                         self.timing.depth)
+            out = []
+            for (e, _), c in zip(group, codes):
+                req, e.request = e.request, None
+                frame = e.stream.accept(req, c)
+                if frame is not None:
+                    out.append((e, frame))
+            return out
+
+        result.worked = True
+        return self._isolated(run, done, result, entry_of=lambda item: item[0])
+
+    def _decode_audio(self, frames: list[tuple[_Entry, Frame]], result: TickResult) -> None:
+        need = [(e, f) for e, f in frames if e.stream.needs_audio(f)]
+
+        def run(group: list[tuple[_Entry, Frame]]) -> list:
+            lo, hi = 0, max(e.slot for e, _ in group) + 1
+            codes = np.zeros((hi, 1, self.model.codec.num_quantizers), np.int64)
+            count = np.zeros(hi, np.int64)
+            for e, f in group:
+                codes[e.slot, 0, : len(f.codes)] = f.codes
+                count[e.slot] = 1
+            audio = self.decoder.decode_checked(codes, count)
+            for e, f in group:
+                f.audio = audio[e.slot]
+            return group
+
+        if need:
+            for e, f in need:
+                if e.codec_turn != e.stream.turn_serial:
+                    self.decoder.reset(e.slot)   # each turn's audio is its own codec stream (as upstream)
+                    e.codec_turn = e.stream.turn_serial
+            self._isolated(run, need, result, entry_of=lambda item: item[0])
+
+    # ------------------------------------------------------------------ failure isolation
+    def _isolated(self, run, items: list, result: TickResult, entry_of=lambda item: item) -> list:
+        """``run(items)``; if the batched call raises, each item alone, failing only those that raise."""
+        try:
+            return run(items)
+        except Exception as batch_error:  # noqa: BLE001
+            if len(items) == 1:
+                self._fail(entry_of(items[0]), batch_error, result)
+                return []
+            log.warning("batched call failed (%s); retrying %d streams one by one", batch_error, len(items))
+            out = []
+            for item in items:
+                try:
+                    out += run([item])
+                except Exception as exc:  # noqa: BLE001
+                    self._fail(entry_of(item), exc, result)
+            return out
+
+    def _fail(self, e: _Entry, exc: Exception, result: TickResult) -> None:
+        log.error("stream in slot %d failed: %s", e.slot, exc)
+        e.request = None
+        e.stream.fail()
+        result.failed.append((e.stream, exc))

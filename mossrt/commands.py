@@ -1,0 +1,309 @@
+"""The ``mossrt`` subcommands: each checks its inputs and outputs before any work, then composes
+``export`` (bundle writing) and ``engine`` (running bundles)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+
+
+class CliError(Exception):
+    """A usage problem found by the CLI itself (bad flag combination, unreadable file)."""
+
+
+def progress(msg: str) -> None:
+    print(f"[mossrt] {msg}", file=sys.stderr, flush=True)
+
+
+def load_array(path, what: str) -> np.ndarray:
+    try:
+        arr = np.load(path, allow_pickle=False)
+    except Exception as e:  # numpy raises OSError, ValueError, EOFError... for unreadable files
+        raise CliError(f"{what} {path}: not a readable .npy array ({str(e)[:200]})") from None
+    if not isinstance(arr, np.ndarray):   # a .npz archive loads as NpzFile
+        raise CliError(f"{what} {path}: expected one .npy array, got a {type(arr).__name__} (an .npz archive?)")
+    return arr
+
+
+def npy_output(path: str | Path, what: str) -> Path:
+    """The path np.save will write (it appends .npy when missing), checked writable."""
+    from engine.audio_io import check_writable_file
+
+    p = Path(path)
+    if p.suffix != ".npy":
+        p = p.with_name(p.name + ".npy")
+    return check_writable_file(p, what)
+
+
+def limits_from(args):
+    from engine.limits import Limits
+
+    kw = {k: getattr(args, k) for k in ("max_text_chars", "max_voice_seconds", "max_context_rows")
+          if getattr(args, k, None) is not None}
+    return Limits(**kw)
+
+
+# ---------------------------------------------------------------------------------------------- bundles
+def cmd_export(args) -> None:
+    from export.bundle import BundleWriter
+    from export.checkpoint import resolve_checkpoint
+    from export.codec_export import export_codec
+    from export.tokenizer_export import export_tokenizer, find_tokenizer
+
+    if not args.codec and not args.model:
+        raise CliError("export needs --codec CKPT_DIR (and/or --model TTS_CKPT_DIR)")
+    codec_dir = resolve_checkpoint(args.codec) if args.codec else None
+    model_dir = resolve_checkpoint(args.model) if args.model else None
+    tokenizer = find_tokenizer(resolve_checkpoint(args.tokenizer) if args.tokenizer else model_dir) if model_dir else None
+    writer = BundleWriter(args.out)
+    if codec_dir:
+        codec_dtype = args.codec_dtype or (args.dtype if args.dtype in ("fp32", "fp16") else "fp32")
+        export_codec(codec_dir, writer, codec_dtype, progress, progress_bar=True)
+    if model_dir:
+        from export.tts_export import export_tts
+
+        export_tts(model_dir, writer, args.dtype, progress, progress_bar=True)
+        export_tokenizer(tokenizer, writer)
+    path = writer.finish()
+    progress(f"bundle written: {path.parent}")
+
+
+def cmd_verify(args) -> None:
+    from engine.bundle import Bundle
+
+    bundle = Bundle(args.bundle, device="cpu")
+    names = bundle.verify()
+    total = sum(e.bytes for e in bundle.info.files.values())
+    print(f"{args.bundle}: {len(names)} files, {total / 2**20:.1f} MiB, every sha256 matches the manifest "
+          f"(bundle {bundle.identity})")
+
+
+def load_model(args):
+    from engine.bundle import Bundle
+    from engine.tts import TTSModel
+
+    bundle = Bundle(args.bundle, device=args.device, threads=args.threads)
+    if bundle.is_demo:
+        progress(f"note: {args.bundle} is the demo bundle ({bundle.info.demo.note})")
+    return TTSModel(bundle)
+
+
+def load_codec(args):
+    from engine.bundle import Bundle
+    from engine.codec import Codec
+
+    return Codec(Bundle(args.bundle, device=args.device, threads=args.threads))
+
+
+# ---------------------------------------------------------------------------------------------- codec
+def parse_schedule(text: str) -> list[int]:
+    try:
+        sizes = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise CliError(f"--schedule must be comma-separated frame counts, got {text!r}") from None
+    return sizes
+
+
+def cmd_codec_encode(args) -> None:
+    from engine.audio_io import read_audio
+
+    out = npy_output(args.output, "output")
+    wav, sr = read_audio(args.input)
+    codec = load_codec(args)
+    codes = codec.encode(wav, sr)
+    np.save(out, codes)
+    progress(f"{codes.shape[0]} frames x {codes.shape[1]} quantizers -> {out}")
+
+
+def cmd_codec_decode(args) -> None:
+    from engine.audio_io import audio_target, write_audio
+    from engine.codec import Codec
+
+    if args.chunk_frames is not None and args.schedule is not None:
+        raise CliError("give either --chunk-frames or --schedule, not both")
+    schedule = parse_schedule(args.schedule) if args.schedule else ([args.chunk_frames] if args.chunk_frames else None)
+    if schedule:
+        Codec.check_chunk_sizes(schedule)
+    target = audio_target(args.output, pcm16=args.pcm16)
+    codec = load_codec(args)
+    codes = load_array(args.input, "codes")
+    nq = args.n_quantizers if args.n_quantizers is not None else codec.default_n_quantizers(codes)
+    wav = codec.decode(codes, nq, schedule=schedule)
+    write_audio(target, wav, codec.sample_rate)
+    progress(f"{wav.size} samples ({wav.size / codec.sample_rate:.2f} s) -> {target.path}")
+
+
+# ---------------------------------------------------------------------------------------------- synthesis
+def sampling(model, args):
+    return model.default_sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                                  repetition_penalty=args.repetition_penalty,
+                                  repetition_window=args.repetition_window, greedy=args.greedy or None)
+
+
+def cmd_synth(args) -> None:
+    from engine.audio_io import audio_target, write_audio
+    from engine.generate import generate, synthesize
+    from engine.voices import read_reference_audio, resolve_voice
+
+    if args.voice and args.voice_codes:
+        raise CliError("give --voice or --voice-codes, not both")
+    limits = limits_from(args)
+    limits.check_text_chars(args.text)
+    target = audio_target(args.out)
+    codes_out = npy_output(args.codes_out, "--codes-out") if args.codes_out else None
+    voice_wav = read_reference_audio(args.voice, limits) if args.voice else None
+    voice_codes = load_array(args.voice_codes, "voice codes") if args.voice_codes else None
+    model = load_model(args)
+    params = sampling(model, args)
+    voice = resolve_voice(model, limits, wav=voice_wav, codes=voice_codes)
+    gen = generate(model, text=args.text, voice_codes=voice, params=params, seed=args.seed,
+                   max_frames=args.max_frames, limits=limits, allow_special_tokens=args.allow_special_tokens)
+    wav = synthesize(model, gen)
+    write_audio(target, wav, model.codec.sample_rate)
+    if codes_out:
+        np.save(codes_out, gen.codes)
+    end = "EOS" if gen.stopped_on_eos else f"the {gen.raw_frames.shape[0]}-frame limit"
+    progress(f"{gen.codes.shape[0]} frames ({wav.size / model.codec.sample_rate:.2f} s), stopped at {end}, "
+             f"seed {gen.seed} -> {target.path}")
+    if not gen.stopped_on_eos:
+        progress("warning: the turn ended at its frame limit before the model finished speaking; "
+                 "raise --max-frames or shorten the text")
+
+
+def cmd_replay(args) -> None:
+    """Drive a whole streaming session from a JSON script; write each turn's codes and audio."""
+    from engine.audio_io import check_writable_file, write_audio
+    from engine.session import StreamingSession
+    from engine.turn import run_turn
+    from engine.voices import read_reference_audio, resolve_voice
+
+    from .replay import load_script
+
+    script_path = Path(args.script)
+    try:
+        script = load_script(script_path)
+    except ValueError as e:
+        raise CliError(str(e)) from None
+    base = script_path.parent
+    out_dir = Path(args.out_dir)
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise CliError(f"--out-dir {out_dir}: {e.strerror or e}") from None
+    check_writable_file(out_dir / "turn0.wav", "--out-dir")
+    limits = limits_from(args)
+    model = load_model(args)
+    voice = resolve_voice(
+        model, limits,
+        wav=read_reference_audio(base / script.voice_wav, limits) if script.voice_wav else None,
+        codes=load_array(base / script.voice_codes, "voice_codes") if script.voice_codes else None)
+    session = StreamingSession(model, voice_codes=voice, params=sampling(model, args), seed=args.seed, limits=limits,
+                               allow_special_tokens=args.allow_special_tokens)
+    try:
+        for i, turn in enumerate(script.turns):
+            user_codes = load_array(base / turn.user_audio_codes, "user_audio_codes") if turn.user_audio_codes else None
+            user_wav = (read_reference_audio(base / turn.user_audio_wav, limits, "user audio", user_audio=True)
+                        if turn.user_audio_wav else None)
+            result = run_turn(session, deltas=turn.assistant_deltas, token_ids=turn.assistant_token_ids,
+                              user_text=turn.user_text, user_audio_codes=user_codes, user_audio_wav=user_wav,
+                              max_frames=args.max_frames)
+            codes, wav = result.codes(model.layout.codebooks), result.audio()
+            np.save(out_dir / f"turn{i}_codes.npy", codes)
+            write_audio(out_dir / f"turn{i}.wav", wav, model.codec.sample_rate)
+            st = result.stats
+            progress(f"turn {i}: {st.text_ids} text ids, {codes.shape[0]} frames ({wav.size / model.codec.sample_rate:.2f} s), "
+                     f"finished by {st.finish_reason.value}, context {session.context_rows} rows")
+    finally:
+        session.close()
+
+
+# ---------------------------------------------------------------------------------------------- bench
+def report(result: dict, text: str, json_path: str | None) -> None:
+    print(text)
+    if json_path:
+        Path(json_path).write_text(json.dumps(result, indent=1))
+
+
+def cmd_bench_codec(args) -> None:
+    from engine.audio_io import check_writable_file
+    from engine.bench import bench_codec, format_codec_report
+
+    if args.json:
+        check_writable_file(args.json, "--json")
+    result = bench_codec(load_codec(args), frames=args.frames, repeats=args.repeats)
+    report(result, format_codec_report(result), args.json)
+
+
+def cmd_bench_synth(args) -> None:
+    from engine.audio_io import check_writable_file
+    from engine.bench import bench_synth, format_synth_report
+
+    if args.json:
+        check_writable_file(args.json, "--json")
+    result = bench_synth(load_model(args), frames=args.frames, repeats=args.repeats)
+    report(result, format_synth_report(result), args.json)
+
+
+# ---------------------------------------------------------------------------------------------- checkpoints, demo
+def cmd_make_checkpoint(args) -> None:
+    from export import random_checkpoint
+    from export.demo import TOKENIZER_JSON
+    from export.tokenizer_export import find_tokenizer
+
+    out = Path(args.out)
+    tokenizer = find_tokenizer(args.tokenizer) if args.tokenizer else TOKENIZER_JSON
+    if args.kind == "codec":
+        paths = [random_checkpoint.make_codec_checkpoint(out, seed=args.seed, preset=args.preset, progress=progress)]
+    elif args.kind == "tts":
+        paths = [random_checkpoint.make_tts_checkpoint(out, seed=args.seed, preset=args.preset,
+                                                       tokenizer_json=tokenizer, progress=progress)]
+    else:  # pair: <out>/tts and <out>/codec
+        paths = [random_checkpoint.make_tts_checkpoint(out / "tts", seed=args.seed, preset=args.preset,
+                                                       tokenizer_json=tokenizer, progress=progress),
+                 random_checkpoint.make_codec_checkpoint(out / "codec", seed=args.seed + 1, preset=args.preset,
+                                                         progress=progress)]
+    for path in paths:
+        progress(f"random checkpoint ({args.preset} dimensions, NOT a trained model) -> {path}")
+
+
+def default_demo_dir() -> Path:
+    return Path(os.environ.get("MOSSRT_DEMO_DIR") or Path.home() / ".cache" / "mossrt" / "demo-bundle")
+
+
+def ensure_demo_bundle(path: Path | None = None) -> Path:
+    """The demo bundle, built on first use (seconds, no download); rebuilt when its format is outdated."""
+    from engine.bundle import Bundle
+    from engine.errors import BundleError
+    from export.demo import build_demo_bundle
+
+    path = path or default_demo_dir()
+    if (path / "manifest.json").is_file():
+        try:
+            Bundle(path, device="cpu")
+            return path
+        except BundleError as e:
+            progress(f"rebuilding the demo bundle in {path} ({e})")
+    else:
+        progress(f"building the demo bundle (random weights, audio is noise) in {path}")
+    build_demo_bundle(path, progress=progress)
+    return path
+
+
+def cmd_demo(args) -> None:
+    from engine.audio_io import audio_target, write_audio
+    from engine.bundle import Bundle
+    from engine.generate import generate, synthesize
+    from engine.tts import TTSModel
+
+    target = audio_target(args.out)
+    bundle_dir = ensure_demo_bundle(Path(args.bundle) if args.bundle else None)
+    model = TTSModel(Bundle(bundle_dir, device=args.device, threads=args.threads))
+    gen = generate(model, text=args.text, seed=0, max_frames=args.max_frames)
+    wav = synthesize(model, gen)
+    write_audio(target, wav, model.codec.sample_rate)
+    print(f"demo bundle {bundle_dir}: synthesized {gen.codes.shape[0]} frames ({wav.size / model.codec.sample_rate:.2f} s) "
+          f"of {args.text!r} -> {target.path} (random weights: expect noise, not speech)")
