@@ -34,6 +34,10 @@ class Codec:
     def frame_seconds(self) -> float:
         return self.samples_per_frame / self.sample_rate
 
+    def decoder_bytes_per_stream(self) -> int:
+        """Host memory of one stream's decoder state (its KV rings)."""
+        return RingState.bytes_per_stream(self.decoder_stages)
+
     # ------------------------------------------------------------------ validation helpers
     def check_n_quantizers(self, n_quantizers: int) -> int:
         if not isinstance(n_quantizers, (int, np.integer)) or not 1 <= n_quantizers <= self.num_quantizers:

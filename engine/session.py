@@ -177,6 +177,7 @@ class StreamingSession:
             if not self._runner.has_work() and not result.worked:
                 break
         self.stream.pad_credit = 0
+        self.stream.take_finished()   # a session reports turn ends through stats, not events
         return frames
 
     @contextmanager

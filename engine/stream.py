@@ -14,13 +14,17 @@ waits, and each time it runs dry counts a stall.
 Cancel semantics: rows already fed to the backbone stay in the context (they were computed); ids
 committed but not fed, and the last frame (never fed, exactly as after EOS), are dropped.
 
-Not thread-safe: a runner or a scheduler serialises access (see ``engine/scheduler.py``).
+Thread-safe: every public method holds the stream's own lock, so a scheduler's loop thread and the
+threads that feed the stream interleave safely (a cancel between ``want`` and ``accept`` makes
+``accept`` discard the frame). The lock is never held during a graph call.
 """
 
 from __future__ import annotations
 
 import enum
+import functools
 import logging
+import threading
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -61,6 +65,7 @@ class Frame:
     codes: np.ndarray
     audio: np.ndarray | None = None
     eos: bool = False
+    turn: int = 0            # the stream's turn number (1, 2, ...)
 
 
 @dataclass
@@ -87,6 +92,14 @@ class StepRequest:
     turn: int                 # the turn it belongs to (results of an ended turn are discarded)
     prefix_rows: int = 0      # leading rows that are the stream's system block (cacheable; a chunk of their own)
     sample: bool = True       # False: context rows only (prime), no frame follows
+
+
+def _locked(method):
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        with self._lock:
+            return method(self, *args, **kwargs)
+    return wrapper
 
 
 def playable(codes: np.ndarray, codebook_size: int) -> bool:
@@ -136,6 +149,9 @@ class StreamState:
         self._in_flight: StepRequest | None = None
         self._prime: np.ndarray | None = None
         self._last_fed: StepRequest | None = None
+        self._lock = threading.RLock()
+        self.paused = False                     # a consumer that does not keep up holds the stream
+        self._finished: list[tuple[int, TurnStats]] = []
         self.system_rows = len(model.prompt.system_block(self.voice_codes))
 
     # ------------------------------------------------------------------ views
@@ -176,6 +192,7 @@ class StreamState:
         """Counts the turns begun (the current one's number)."""
         return self._serial
 
+    @_locked
     def context_ids(self) -> np.ndarray:
         if not self.context:
             return np.zeros((0, self.model.layout.columns), np.int64)
@@ -187,9 +204,6 @@ class StreamState:
                    params: SamplingParams | None = None) -> None:
         """Open a turn (see ``StreamingSession.begin_turn``). A turn that cannot open raises and leaves the
         stream as it was."""
-        self._require_open()
-        if self.state in (TurnState.WAITING, TurnState.RUNNING):
-            raise InputError("a turn is in progress: end it (end_text and let it finish) or cancel it first")
         if not isinstance(user_text, str):
             raise InputError("user_text must be a string")
         if user_text:
@@ -199,7 +213,14 @@ class StreamState:
         max_frames = self.limits.check_max_frames(max_frames)
         turn_params = params.validated() if params is not None else self.params
         user_audio = resolve_voice(self.model, self.limits, wav=user_audio_wav, codes=user_audio_codes,
-                                   what="user audio", user_audio=True)
+                                   what="user audio", user_audio=True)   # may encode audio: not under the lock
+        with self._lock:
+            self._open_turn(user_text, user_audio, max_frames, turn_params)
+
+    def _open_turn(self, user_text: str, user_audio, max_frames: int | None, turn_params: SamplingParams) -> None:
+        self._require_open()
+        if self.state in (TurnState.WAITING, TurnState.RUNNING):
+            raise InputError("a turn is in progress: end it (end_text and let it finish) or cancel it first")
         rows = self.model.prompt.turn_prompt(self.fed_rows == 0, self.voice_codes, user_text, user_audio,
                                              allow_special=self.allow_special_tokens)
         lead = self.model.layout.text_lead
@@ -211,12 +232,14 @@ class StreamState:
                            committer=TextCommitter(self.model.tokenizer, self.allow_special_tokens))
         self.state = TurnState.WAITING
 
+    @_locked
     def push_text(self, delta: str | bytes) -> int:
         """Add assistant text (any split; bytes may cut UTF-8 characters); returns the ids it committed."""
         self._require_text_open()
         self._set_input_kind("text")
         return self._queue(self._turn.committer.push(delta))
 
+    @_locked
     def push_token_ids(self, ids) -> int:
         """Add assistant token ids (fed exactly as given)."""
         self._require_text_open()
@@ -224,6 +247,7 @@ class StreamState:
         self._set_input_kind("ids")
         return self._queue([int(i) for i in arr])
 
+    @_locked
     def end_text(self) -> int:
         """No more text this turn: commits the rest. The stream then drains to EOS or its limits."""
         self._require_turn()
@@ -242,17 +266,20 @@ class StreamState:
             self._finish(FinishReason.NO_TEXT)
         return n
 
+    @_locked
     def cancel(self) -> None:
         """Barge-in: end the turn now. Fed rows stay in the context; nothing else is kept."""
         self._require_open()
         if self._turn is not None and self.state is not TurnState.DONE:
             self._finish(FinishReason.CANCELLED)
 
+    @_locked
     def close(self) -> None:
         self.closed = True
         if self._turn is not None and self.state is not TurnState.DONE:
             self._finish(FinishReason.CANCELLED)
 
+    @_locked
     def prime(self, rows) -> None:
         """Feed context rows ``[n, 17]`` without generating (between turns): the stream then continues as
         if a conversation had produced exactly these rows (restoring a conversation; tests' references)."""
@@ -272,6 +299,7 @@ class StreamState:
                                     f"({self.fed_rows} of {self.limits.max_context_rows} rows used)")
         self._prime = arr
 
+    @_locked
     def truncate_turn(self, audio_frames: int) -> int:
         """After the last turn ended (typically cancelled): keep in the context only what a listener who
         heard its first ``audio_frames`` frames of audio heard — the turn's prefill block and the step rows
@@ -301,6 +329,7 @@ class StreamState:
         self.fed_rows = keep
         return keep
 
+    @_locked
     def fail(self) -> None:
         """The runner could not compute this stream: the turn ends with ERROR."""
         self._in_flight = None
@@ -308,10 +337,11 @@ class StreamState:
             self._finish(FinishReason.ERROR)
 
     # ------------------------------------------------------------------ runner side
+    @_locked
     def want(self) -> StepRequest | None:
         """The next rows to feed (with the sampling inputs of the frame they complete), or None."""
         t = self._turn
-        if self.closed or self._in_flight is not None:
+        if self.closed or self._in_flight is not None or self.paused:
             return None
         if self._prime is not None:
             rows, self._prime = self._prime, None
@@ -353,6 +383,7 @@ class StreamState:
             return None
         return self._request(self.model.prompt.step_row(text_id, t.frames[-1]), first=False)
 
+    @_locked
     def on_fed(self, request: StepRequest, rows: np.ndarray) -> None:
         """Rows of ``request`` went into the KV cache (a prefill may be fed in several chunks; ``context``
         keeps one block per request)."""
@@ -363,6 +394,7 @@ class StreamState:
         self._last_fed = request
         self.fed_rows += len(rows)
 
+    @_locked
     def aborted(self, request: StepRequest) -> bool:
         """Whether the request's turn ended meanwhile (cancel, close): stop feeding its rows."""
         if self.closed:
@@ -371,11 +403,13 @@ class StreamState:
             return False
         return self._turn is None or request.turn != self._turn.serial or self.state is TurnState.DONE
 
+    @_locked
     def release(self, request: StepRequest) -> None:
         """The runner gives up a request (its turn ended meanwhile, or the stream leaves)."""
         if self._in_flight is request:
             self._in_flight = None
 
+    @_locked
     def accept(self, request: StepRequest, codes: np.ndarray) -> Frame | None:
         """The frame the request completed; None if its turn ended meanwhile (the frame is discarded)."""
         self._in_flight = None
@@ -385,7 +419,7 @@ class StreamState:
         codes = np.asarray(codes, np.int64)
         t.frames.append(codes)
         t.stats.frames += 1
-        frame = Frame(index=len(t.frames) - 1, codes=codes)
+        frame = Frame(index=len(t.frames) - 1, codes=codes, turn=t.serial)
         if codes[0] == lay.audio_eos:
             frame.eos = True
             self._finish(FinishReason.EOS)
@@ -424,12 +458,19 @@ class StreamState:
         t = self._turn
         return t.max_frames if t.max_frames is not None else self.limits.default_max_frames(t.stats.text_ids)
 
+    @_locked
+    def take_finished(self) -> list[tuple[int, TurnStats]]:
+        """Turns that ended since the last call, in order: (turn number, stats)."""
+        out, self._finished = self._finished, []
+        return out
+
     def _finish(self, reason: FinishReason) -> None:
         t = self._turn
         t.stats.finish_reason = reason
         t.stats.unfed_text_ids = len(t.pending)
         t.pending = []
         self.state = TurnState.DONE
+        self._finished.append((t.serial, t.stats))
 
     def _set_input_kind(self, kind: str) -> None:
         t = self._turn

@@ -1,0 +1,400 @@
+"""Many streams, one device loop: the scheduler batches every stream's next step into shared graph calls.
+
+A :class:`Scheduler` owns a :class:`StepRunner` (the onnxruntime sessions' KV slot pool and codec
+rings) and runs its ticks on one thread. Callers hold :class:`StreamHandle` objects: they feed text and
+control turns from any thread (the calls validate and return at once; they never run a graph), and
+receive events — frames with their audio, turn ends, errors — through a sink: a thread-safe queue, or
+an asyncio queue fed with ``call_soon_threadsafe`` so an asyncio server never blocks on the engine.
+
+Admission: a stream takes a KV slot at its first turn and keeps it until closed. When every slot is
+taken, ``begin_turn`` waits up to ``queue_timeout`` seconds for one, then raises :class:`CapacityError`
+(the service answers 429). Cancel and close take effect at the next step boundary. A consumer that
+stops reading holds its stream (generation pauses) instead of buffering audio without bound.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import Protocol
+
+from .errors import CapacityError, EngineError, InputError, OverloadError, StreamClosedError
+from .limits import Limits
+from .runner import DEFAULT_PREFILL_CHUNK_ROWS, DEFAULT_PREFILL_ROWS_PER_TICK, StepRunner
+from .sampling import SamplingParams
+from .stream import Frame, StreamState, TurnStats
+
+log = logging.getLogger("mossrt.scheduler")
+
+DEFAULT_QUEUE_TIMEOUT = 10.0
+DEFAULT_MAX_BUFFERED_FRAMES = 250      # 20 s of audio waiting for its consumer
+
+
+# ---------------------------------------------------------------------------------------------- events
+@dataclass(frozen=True)
+class FrameEvent:
+    frame: Frame
+
+
+@dataclass(frozen=True)
+class TurnEnd:
+    turn: int
+    stats: TurnStats
+
+
+@dataclass(frozen=True)
+class StreamError:
+    error: Exception
+
+
+Event = FrameEvent | TurnEnd | StreamError
+
+
+class EventSink(Protocol):
+    def put(self, event: Event) -> None:
+        """Called on the scheduler's thread; must not block."""
+
+
+class QueueSink:
+    """Events for a consumer thread: ``get(timeout)`` blocks."""
+
+    def __init__(self):
+        self._q: queue.Queue = queue.Queue()
+
+    def put(self, event: Event) -> None:
+        self._q.put(event)
+
+    def get(self, timeout: float | None = None) -> Event:
+        return self._q.get(timeout=timeout)
+
+
+class AsyncSink:
+    """Events for an asyncio consumer: ``await get()`` never blocks the event loop."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop | None = None):
+        self._loop = loop or asyncio.get_running_loop()
+        self._q: asyncio.Queue = asyncio.Queue()
+
+    def put(self, event: Event) -> None:
+        self._loop.call_soon_threadsafe(self._q.put_nowait, event)
+
+    async def get(self) -> Event:
+        return await self._q.get()
+
+
+# ---------------------------------------------------------------------------------------------- handles
+class StreamHandle:
+    """A stream in a scheduler. Every method is thread-safe and returns without running a graph."""
+
+    def __init__(self, scheduler: "Scheduler", stream: StreamState, sink: EventSink, max_buffered_frames: int):
+        self._scheduler = scheduler
+        self.stream = stream
+        self.sink = sink
+        self.max_buffered_frames = max_buffered_frames
+        self.attached = False       # holds a KV slot (from its first turn until closed)
+        self.closed = False
+        self._reserved = False
+        self._buffered = 0          # frames delivered and not yet consumed
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------------ turn control
+    def begin_turn(self, user_text: str = "", user_audio_codes=None, user_audio_wav=None,
+                   max_frames: int | None = None, params: SamplingParams | None = None,
+                   wait: float | None = None) -> None:
+        """Open a turn (``StreamingSession.begin_turn`` semantics). The first turn waits up to ``wait``
+        seconds (default: the scheduler's queue timeout) for a free slot, else CapacityError."""
+        self._require_open()
+        newly = self._scheduler._reserve(self, wait)
+        try:
+            self.stream.begin_turn(user_text, user_audio_codes, user_audio_wav, max_frames, params)
+        except BaseException:
+            if newly:
+                self._scheduler._unreserve(self)
+            raise
+        self._scheduler._wake()
+
+    def push_text(self, delta: str | bytes) -> int:
+        """Assistant text, any split; returns the ids it committed."""
+        self._require_open()
+        n = self.stream.push_text(delta)
+        if n:
+            self._scheduler._wake()
+        return n
+
+    def push_token_ids(self, ids) -> int:
+        self._require_open()
+        n = self.stream.push_token_ids(ids)
+        self._scheduler._wake()
+        return n
+
+    def end_text(self) -> int:
+        self._require_open()
+        n = self.stream.end_text()
+        self._scheduler._wake()
+        return n
+
+    def cancel(self) -> None:
+        """Barge-in: the turn ends at the next step boundary (a frame in flight is discarded)."""
+        self._require_open()
+        self.stream.cancel()
+        self._scheduler._wake()
+
+    def truncate_turn(self, audio_frames: int) -> int:
+        self._require_open()
+        kept = self.stream.truncate_turn(audio_frames)
+        self._scheduler._wake()
+        return kept
+
+    def prime(self, rows) -> None:
+        self._require_open()
+        self._scheduler._reserve(self, None)
+        self.stream.prime(rows)
+        self._scheduler._wake()
+
+    def close(self) -> None:
+        """End the stream and free its slot at the next step boundary. Idempotent."""
+        with self._lock:
+            if self.closed:
+                return
+            self.closed = True
+        self.stream.close()
+        self._scheduler._release(self)
+
+    # ------------------------------------------------------------------ consumer side
+    def consumed(self, frames: int = 1) -> None:
+        """The consumer took ``frames`` frames off the sink: a paused stream resumes below half the bound."""
+        with self._lock:
+            self._buffered = max(0, self._buffered - frames)
+            resume = self.stream.paused and self._buffered <= self.max_buffered_frames // 2
+        if resume:
+            self.stream.paused = False
+            self._scheduler._wake()
+
+    def get(self, timeout: float | None = None) -> Event:
+        """The next event (QueueSink); raises queue.Empty after ``timeout``."""
+        event = self.sink.get(timeout=timeout)
+        if isinstance(event, FrameEvent):
+            self.consumed()
+        return event
+
+    async def aget(self) -> Event:
+        """The next event (AsyncSink)."""
+        event = await self.sink.get()
+        if isinstance(event, FrameEvent):
+            self.consumed()
+        return event
+
+    @property
+    def context_rows(self) -> int:
+        return self.stream.fed_rows
+
+    def _delivered(self) -> None:
+        with self._lock:
+            self._buffered += 1
+            if self._buffered >= self.max_buffered_frames:
+                self.stream.paused = True
+
+    def _require_open(self) -> None:
+        if self.closed:
+            raise StreamClosedError("the stream is closed")
+
+
+# ---------------------------------------------------------------------------------------------- scheduler
+@dataclass(frozen=True)
+class SchedulerStats:
+    capacity: int          # KV slots
+    active: int            # streams holding a slot
+    queued: int            # streams waiting for a slot
+    generating: int        # streams with a turn in progress
+    bytes_per_stream: int  # KV slot + codec rings
+
+
+class Scheduler:
+    def __init__(self, model, slots: int, limits: Limits | None = None,
+                 prefill_chunk_rows: int = DEFAULT_PREFILL_CHUNK_ROWS,
+                 prefill_rows_per_tick: int = DEFAULT_PREFILL_ROWS_PER_TICK,
+                 queue_timeout: float = DEFAULT_QUEUE_TIMEOUT,
+                 max_buffered_frames: int = DEFAULT_MAX_BUFFERED_FRAMES):
+        self.model = model
+        self.limits = limits or Limits()
+        self.runner = StepRunner(model, slots, self.limits.max_context_rows, prefill_chunk_rows=prefill_chunk_rows,
+                                 prefill_rows_per_tick=prefill_rows_per_tick)
+        self.queue_timeout = queue_timeout
+        self.max_buffered_frames = max_buffered_frames
+        self._cond = threading.Condition()
+        self._dirty = False
+        self._reserved = 0                        # slots promised to handles (attached or about to be)
+        self._queued = 0
+        self._handles: list[StreamHandle] = []    # attached, in the loop thread's view
+        self._to_attach: list[StreamHandle] = []
+        self._to_detach: list[StreamHandle] = []
+        self._accepting = True
+        self._stop = False
+        self._thread = threading.Thread(target=self._loop, name="mossrt-scheduler", daemon=True)
+        self._thread.start()
+
+    @staticmethod
+    def slots_for_budget(model, budget_bytes: int, max_context_rows: int) -> int:
+        """How many streams a byte budget holds (KV slot of max_context_rows rows + codec rings each)."""
+        per = model.kv_bytes_per_slot(max_context_rows) + model.codec.decoder_bytes_per_stream()
+        return max(0, budget_bytes // per)
+
+    # ------------------------------------------------------------------ public
+    @property
+    def capacity(self) -> int:
+        return self.runner.slots
+
+    def stats(self) -> SchedulerStats:
+        with self._cond:
+            generating = sum(1 for h in self._handles if h.stream.has_turn and not h.stream.turn_done)
+            return SchedulerStats(capacity=self.runner.slots, active=self._reserved, queued=self._queued,
+                                  generating=generating, bytes_per_stream=self.runner.bytes_per_stream())
+
+    def open_stream(self, voice_codes=None, params: SamplingParams | None = None, seed: int | None = None,
+                    decode_audio: bool = True, allow_special_tokens: bool = False,
+                    sink: EventSink | None = None, limits: Limits | None = None) -> StreamHandle:
+        """A new stream (no slot yet: it takes one at its first turn). Validates its settings now."""
+        if not self._accepting:
+            raise OverloadError("the server is draining: no new streams")
+        limits = limits or self.limits
+        if limits.max_context_rows > self.limits.max_context_rows:
+            raise InputError(f"max_context_rows {limits.max_context_rows} exceeds the scheduler's "
+                             f"{self.limits.max_context_rows}")
+        stream = StreamState(self.model, voice_codes=voice_codes, params=params, seed=seed, limits=limits,
+                             decode_audio=decode_audio, allow_special_tokens=allow_special_tokens)
+        return StreamHandle(self, stream, sink or QueueSink(), self.max_buffered_frames)
+
+    def drain(self, timeout: float) -> bool:
+        """Stop admitting streams and wait up to ``timeout`` s for every turn in progress to end.
+        Returns whether they all did."""
+        self._accepting = False
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if not self.stats().generating:
+                return True
+            time.sleep(0.05)
+        return not self.stats().generating
+
+    def stop(self) -> None:
+        """End the loop; streams still open get a StreamError and are closed."""
+        self._accepting = False
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
+        self._thread.join(timeout=30)
+
+    # ------------------------------------------------------------------ admission (caller threads)
+    def _reserve(self, handle: StreamHandle, wait: float | None) -> bool:
+        """Promise ``handle`` a slot (once); False if it already has one."""
+        with self._cond:
+            if handle._reserved:
+                return False
+            if not self._accepting:
+                raise OverloadError("the server is draining: no new streams")
+            deadline = time.monotonic() + (self.queue_timeout if wait is None else wait)
+            self._queued += 1
+            try:
+                while self._reserved >= self.runner.slots:
+                    left = deadline - time.monotonic()
+                    if left <= 0 or self._stop:
+                        raise CapacityError(f"all {self.runner.slots} stream slots are busy; retry later")
+                    self._cond.wait(timeout=left)
+            finally:
+                self._queued -= 1
+            self._reserved += 1
+            handle._reserved = True
+            self._to_attach.append(handle)
+            self._dirty = True
+            self._cond.notify_all()
+            return True
+
+    def _unreserve(self, handle: StreamHandle) -> None:
+        with self._cond:
+            if handle in self._to_attach:
+                self._to_attach.remove(handle)
+                self._reserved -= 1
+                handle._reserved = False
+                self._cond.notify_all()
+
+    def _release(self, handle: StreamHandle) -> None:
+        with self._cond:
+            if not handle._reserved:
+                return
+            if handle in self._to_attach:
+                self._to_attach.remove(handle)
+                self._reserved -= 1
+                handle._reserved = False
+            else:
+                self._to_detach.append(handle)
+            self._dirty = True
+            self._cond.notify_all()
+
+    def _wake(self) -> None:
+        with self._cond:
+            self._dirty = True
+            self._cond.notify_all()
+
+    # ------------------------------------------------------------------ the loop (its own thread)
+    def _loop(self) -> None:
+        worked = False
+        while True:
+            with self._cond:
+                while not (self._dirty or worked or self._stop):
+                    self._cond.wait()
+                self._dirty = False
+                if self._stop:
+                    break
+                for h in self._to_detach:
+                    self.runner.detach(h.stream)
+                    self._handles.remove(h)
+                    h.attached = False
+                    h._reserved = False
+                    self._reserved -= 1
+                if self._to_detach:
+                    self._cond.notify_all()     # a slot is free for a waiting begin_turn
+                self._to_detach.clear()
+                for h in self._to_attach:
+                    self.runner.attach(h.stream)
+                    self._handles.append(h)
+                    h.attached = True
+                self._to_attach.clear()
+                handles = list(self._handles)
+            worked = self._tick(handles)
+        self._shutdown()
+
+    def _tick(self, handles: list[StreamHandle]) -> bool:
+        try:
+            result = self.runner.tick()
+        except Exception as exc:  # noqa: BLE001 - a bug in the loop must not kill every stream silently
+            log.exception("scheduler tick failed")
+            for h in handles:
+                h.stream.fail()
+                h.sink.put(StreamError(EngineError(f"internal error: {exc}")))
+            result = None
+        by_stream = {id(h.stream): h for h in handles}
+        if result is not None:
+            for stream, exc in result.failed:
+                h = by_stream.get(id(stream))
+                if h is not None:
+                    h.sink.put(StreamError(exc))
+            for stream, frame in result.frames:
+                h = by_stream.get(id(stream))
+                if h is not None:
+                    h.sink.put(FrameEvent(frame))
+                    h._delivered()
+        for h in handles:
+            for turn, stats in h.stream.take_finished():
+                h.sink.put(TurnEnd(turn, stats))
+        return bool(result is not None and (result.worked or self.runner.has_work()))
+
+    def _shutdown(self) -> None:
+        for h in list(self._handles) + list(self._to_attach):
+            if not h.closed:
+                h.stream.fail()
+                h.sink.put(StreamError(StreamClosedError("the scheduler stopped")))
+                for turn, stats in h.stream.take_finished():
+                    h.sink.put(TurnEnd(turn, stats))

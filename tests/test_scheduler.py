@@ -1,0 +1,302 @@
+"""The batched scheduler: many streams in shared graph calls give each stream exactly its solo output;
+admission, cancel, stalls, joins and leaves, validation and thread safety."""
+
+from __future__ import annotations
+
+import queue
+import random
+import threading
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import pytest
+
+from conftest import golden, tolerance
+
+TEXT_A = ("Welcome to the world of MOSS TTS Realtime. Experience how text transforms into smooth, "
+          "human-like speech in real time, one small step after another.")
+TEXT_B = ("The quick brown fox jumps over the lazy dog, while a streaming speech model keeps talking "
+          "about weather, numbers like 42, and tea.")
+
+
+@dataclass
+class Turn:
+    ids: list[int] | None = None
+    deltas: list[str] | None = None
+    chunk: int = 3                      # ids per push (ids turns)
+    delay: float = 0.0                  # seconds between pushes
+    stall_after: int | None = None      # pushes before a long pause (the stream runs out of text)
+    user_text: str = ""
+    user_audio_codes: np.ndarray | None = None
+    cancel_after: int | None = None     # frames the consumer takes before cancelling
+    max_frames: int | None = None
+
+
+@dataclass
+class Spec:
+    name: str
+    turns: list[Turn]
+    voice: np.ndarray | None = None
+    seed: int = 0
+    greedy: bool = True
+    start_delay: float = 0.0
+    results: list = field(default_factory=list)   # per turn: (frames, stats)
+
+
+def params_for(model, spec: Spec):
+    return model.default_sampling(greedy=True) if spec.greedy else model.default_sampling()
+
+
+def pushes(turn: Turn):
+    if turn.ids is not None:
+        return [("ids", turn.ids[i:i + turn.chunk]) for i in range(0, len(turn.ids), turn.chunk)]
+    return [("text", d) for d in turn.deltas]
+
+
+def run_solo(model, spec: Spec):
+    from engine.session import StreamingSession
+
+    s = StreamingSession(model, voice_codes=spec.voice, params=params_for(model, spec), seed=spec.seed)
+    out = []
+    for turn in spec.turns:
+        s.begin_turn(user_text=turn.user_text, user_audio_codes=turn.user_audio_codes, max_frames=turn.max_frames)
+        frames = []
+        for kind, value in pushes(turn):
+            frames += s.push_token_ids(value) if kind == "ids" else s.push_text(value)
+        frames += s.end_text() + s.drain()
+        if turn.cancel_after is not None:
+            s.cancel()
+        out.append((frames, s.stats, s.context_ids()))
+    s.close()
+    return out
+
+
+def run_scheduled(scheduler, model, spec: Spec, errors: list):
+    from engine.scheduler import FrameEvent, StreamError, TurnEnd
+
+    try:
+        time.sleep(spec.start_delay)
+        h = scheduler.open_stream(voice_codes=spec.voice, params=params_for(model, spec), seed=spec.seed)
+        for turn in spec.turns:
+            h.begin_turn(user_text=turn.user_text, user_audio_codes=turn.user_audio_codes, max_frames=turn.max_frames,
+                         wait=60)
+            frames: list = []
+            for i, (kind, value) in enumerate(pushes(turn)):
+                h.push_token_ids(value) if kind == "ids" else h.push_text(value)
+                time.sleep(turn.delay)
+                if turn.stall_after == i:
+                    time.sleep(0.6)          # the LLM is slow: the stream runs dry, others go on
+            h.end_text()
+            while True:
+                event = h.get(timeout=120)
+                if isinstance(event, FrameEvent):
+                    frames.append(event.frame)
+                    if turn.cancel_after is not None and len(frames) == turn.cancel_after:
+                        h.cancel()
+                elif isinstance(event, StreamError):
+                    raise event.error
+                elif isinstance(event, TurnEnd):
+                    spec.results.append((frames, event.stats, h.stream.context_ids()))
+                    break
+        h.close()
+    except BaseException as e:  # noqa: BLE001 - reported by the test thread
+        errors.append((spec.name, e))
+
+
+def codes(frames):
+    return np.stack([f.codes for f in frames])
+
+
+def audio(frames):
+    parts = [f.audio for f in frames if f.audio is not None]
+    return np.concatenate(parts) if parts else np.zeros(0, np.float32)
+
+
+def specs(model) -> list[Spec]:
+    st, mt = golden("tts/tts_streaming.npz"), golden("tts/tts_multiturn.npz")
+    ids_a, ids_b = model.tokenizer.encode(TEXT_A), model.tokenizer.encode(TEXT_B)
+    voice = mt["voice_prompt_codes"].T
+    return [
+        Spec("ids one by one", [Turn(ids=list(st["streamed_text_ids"]), chunk=1, delay=0.002)]),
+        Spec("text deltas", [Turn(deltas=[str(d) for d in st["deltas"]], delay=0.003)], start_delay=0.05),
+        Spec("voice, two turns with user audio", [
+            Turn(ids=list(mt["turn1_streamed_text_ids"]), chunk=5, user_text="Hey, I just landed in Paris.",
+                 user_audio_codes=mt["turn1_user_audio_codes"].T),
+            Turn(ids=list(mt["turn2_streamed_text_ids"]), chunk=12, user_text="Just a backpack.",
+                 user_audio_codes=mt["turn2_user_audio_codes"].T)], voice=voice, start_delay=0.1),
+        Spec("whole text at once", [Turn(ids=ids_a, chunk=len(ids_a))], start_delay=0.3),
+        Spec("voice clone", [Turn(ids=ids_b, chunk=7)], voice=voice[:20], start_delay=0.02),
+        Spec("sampled, seeded", [Turn(ids=ids_a, chunk=4, max_frames=40)], greedy=False, seed=777, start_delay=0.15),
+        Spec("cancelled then next turn", [Turn(ids=ids_b, chunk=4, cancel_after=6), Turn(ids=ids_a[:20], chunk=20)],
+             start_delay=0.2),
+        Spec("stalls waiting for text", [Turn(ids=ids_a, chunk=2, stall_after=6)], start_delay=0.05),
+    ]
+
+
+def test_concurrent_streams_equal_solo_runs(model):
+    """8 streams (texts, voices, lengths, start times, greedy and sampled, multi-turn, a cancel, a stall)
+    share the scheduler's calls; each gets exactly the codes (and, within float32 round-off, the audio)
+    of running alone."""
+    from engine.scheduler import Scheduler
+
+    all_specs = specs(model)
+    scheduler = Scheduler(model, slots=8)
+    errors: list = []
+    threads = [threading.Thread(target=run_scheduled, args=(scheduler, model, s, errors)) for s in all_specs]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    peak = scheduler.runner.timing.ticks
+    scheduler.stop()
+    assert not errors, errors
+    batched_steps = scheduler.runner.timing.step.calls
+    for spec in all_specs:
+        solo = run_solo(model, spec)
+        assert len(spec.results) == len(spec.turns), spec.name
+        for (frames, stats, ctx), (ref_frames, ref_stats, ref_ctx), turn in zip(spec.results, solo, spec.turns):
+            if turn.cancel_after is not None:   # cancelled: a prefix of the solo turn, at least what was read
+                assert stats.finish_reason == "cancelled" and len(frames) >= turn.cancel_after
+                np.testing.assert_array_equal(codes(frames), codes(ref_frames[: len(frames)]), err_msg=spec.name)
+                break   # later turns follow a context the solo run does not have: checked below
+            np.testing.assert_array_equal(codes(frames), codes(ref_frames), err_msg=spec.name)
+            np.testing.assert_array_equal(ctx, ref_ctx, err_msg=spec.name)
+            assert stats.finish_reason == ref_stats.finish_reason, spec.name
+            a, ref = audio(frames), audio(ref_frames)
+            assert a.shape == ref.shape and np.abs(a - ref).max() <= tolerance(ref), spec.name
+    # the turn after the cancel: equal to a session primed with exactly what the scheduler's stream had fed
+    spec = all_specs[6]
+    _, _, fed = spec.results[0]
+    from engine.session import StreamingSession
+
+    ref = StreamingSession(model, params=params_for(model, spec), seed=spec.seed)
+    ref.prime(fed)
+    turn = spec.turns[1]
+    ref.begin_turn()
+    ref_frames = ref.push_token_ids(turn.ids) + ref.end_text() + ref.drain()
+    np.testing.assert_array_equal(codes(spec.results[1][0]), codes(ref_frames))
+    assert all_specs[7].results[0][1].stalls >= 1
+    print(f"{peak} ticks, {batched_steps} batched backbone steps for "
+          f"{sum(len(r[0]) for s in all_specs for r in s.results)} frames")
+    assert batched_steps < sum(len(r[0]) for s in all_specs for r in s.results) * 0.6   # steps were shared
+
+
+def test_no_capacity_then_a_freed_slot(model):
+    from engine.errors import CapacityError
+    from engine.scheduler import Scheduler
+
+    ids = model.tokenizer.encode(TEXT_A)
+    scheduler = Scheduler(model, slots=2, queue_timeout=0.2)
+    try:
+        a, b, c = (scheduler.open_stream(params=model.default_sampling(greedy=True)) for _ in range(3))
+        a.begin_turn()
+        b.begin_turn()
+        with pytest.raises(CapacityError, match="slots are busy"):
+            c.begin_turn(wait=0)
+        assert scheduler.stats().active == 2
+        a.close()
+        c.begin_turn(wait=5)                      # the freed slot admits the waiting stream
+        for h in (b, c):
+            h.push_token_ids(ids)
+            h.end_text()
+        for h in (b, c):
+            frames = drain_events(h)
+            np.testing.assert_array_equal(codes(frames), golden("tts/tts_text_only.npz")["greedy_rep_raw_frames"])
+    finally:
+        scheduler.stop()
+
+
+def drain_events(h, timeout: float = 120):
+    from engine.scheduler import FrameEvent, StreamError, TurnEnd
+
+    frames = []
+    while True:
+        event = h.get(timeout=timeout)
+        if isinstance(event, FrameEvent):
+            frames.append(event.frame)
+        elif isinstance(event, StreamError):
+            raise event.error
+        elif isinstance(event, TurnEnd):
+            return frames
+
+
+def test_handle_calls_validate(model):
+    from engine.errors import InputError, StreamClosedError
+    from engine.sampling import SamplingParams
+    from engine.scheduler import Scheduler
+
+    scheduler = Scheduler(model, slots=1)
+    try:
+        h = scheduler.open_stream()
+        with pytest.raises(InputError, match="begin_turn"):
+            h.push_text("hello")
+        with pytest.raises(InputError, match="temperature"):
+            scheduler.open_stream(params=SamplingParams(temperature=-1))
+        h.begin_turn()
+        h.push_text("Hello there.")
+        h.end_text()
+        with pytest.raises(InputError, match="already ended"):
+            h.push_text("more")
+        with pytest.raises(InputError, match="in progress"):
+            h.begin_turn()
+        drain_events(h)
+        h.close()
+        h.close()                                   # idempotent
+        with pytest.raises(StreamClosedError):
+            h.push_text("x")
+        with pytest.raises(StreamClosedError):
+            h.begin_turn()
+    finally:
+        scheduler.stop()
+
+
+def test_slow_consumer_pauses_its_stream(model):
+    """A consumer that does not read holds its own stream (bounded buffering) and not the others."""
+    from engine.scheduler import FrameEvent, Scheduler
+
+    ids = model.tokenizer.encode(TEXT_A)
+    scheduler = Scheduler(model, slots=2, max_buffered_frames=4)
+    try:
+        slow, fast = (scheduler.open_stream(params=model.default_sampling(greedy=True)) for _ in range(2))
+        for h in (slow, fast):
+            h.begin_turn()
+            h.push_token_ids(ids)
+            h.end_text()
+        frames = drain_events(fast)                 # the fast consumer finishes its whole turn
+        np.testing.assert_array_equal(codes(frames), golden("tts/tts_text_only.npz")["greedy_rep_raw_frames"])
+        assert slow.stream.paused and slow.stream.stats.frames <= 5
+        got = drain_events(slow)                    # reading resumes it
+        np.testing.assert_array_equal(codes(got), codes(frames))
+    finally:
+        scheduler.stop()
+
+
+def test_session_refuses_concurrent_use(model):
+    """A StreamingSession is not thread-safe: a second thread entering it gets ConcurrentUseError, never a
+    corrupted state (the old session raised IndexError in most trials)."""
+    from engine.errors import ConcurrentUseError
+    from engine.session import StreamingSession
+
+    text = TEXT_A * 3
+    seen = []
+    for trial in range(10):
+        s = StreamingSession(model, params=model.default_sampling(greedy=True), seed=trial)
+        s.begin_turn(max_frames=400)
+        barrier = threading.Barrier(2)
+
+        def push():
+            barrier.wait()
+            try:
+                for word in text.split(" "):
+                    s.push_text(word + " ")
+            except ConcurrentUseError as e:
+                seen.append(e)
+
+        threads = [threading.Thread(target=push) for _ in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        s.close()
+    assert seen, "the two threads never overlapped"
