@@ -53,6 +53,8 @@ def audio_target(path: str | Path, pcm16: bool = False) -> AudioTarget:
     """Format and sample type for an output file, from its extension: 32-bit float where the format has
     it (16-bit PCM with ``pcm16``), 24-bit FLAC, Vorbis in Ogg, MPEG layer III in .mp3."""
     p = Path(path)
+    if p.is_dir():
+        raise InputError(f"output {p} is a directory")
     ext = p.suffix.lower().lstrip(".")
     formats = writable_formats()
     if not ext:

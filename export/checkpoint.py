@@ -22,21 +22,31 @@ class Checkpoint:
 
     def __init__(self, directory: str | Path, progress_bar: bool = False):
         self.dir = Path(directory)
+        self._handles: dict[Path, object] = {}
         cfg = self.dir / "config.json"
         if not cfg.is_file():
             raise CheckpointError(f"{self.dir}: no config.json (expected an upstream Hugging Face checkpoint directory)")
-        self.config = json.loads(cfg.read_text())
+        self.config = _read_json(cfg, "config.json")
+        if not isinstance(self.config, dict):
+            raise CheckpointError(f"{cfg}: config.json must hold a JSON object")
         index = self.dir / "model.safetensors.index.json"
         single = self.dir / "model.safetensors"
         if index.is_file():
-            weight_map = json.loads(index.read_text())["weight_map"]
-            self._files = {name: self.dir / shard for name, shard in weight_map.items()}
+            weight_map = _read_json(index, "the safetensors index")
+            if not isinstance(weight_map, dict) or not isinstance(weight_map.get("weight_map"), dict):
+                raise CheckpointError(f"{index}: no \"weight_map\" object (a damaged or foreign index)")
+            self._files = {}
+            for name, shard in weight_map["weight_map"].items():
+                if not isinstance(shard, str) or "/" in shard or shard.startswith("."):
+                    raise CheckpointError(f"{index}: tensor {name!r} maps to {shard!r}, not a shard file name")
+                self._files[name] = self.dir / shard
+            missing = sorted({p.name for p in self._files.values() if not p.is_file()})
+            if missing:
+                raise CheckpointError(f"{self.dir}: shards listed in the index are missing: {', '.join(missing[:5])}")
         elif single.is_file():
-            with safe_open(single, framework="np") as f:
-                self._files = {name: single for name in f.keys()}
+            self._files = {name: single for name in self._handle(single).keys()}
         else:
             raise CheckpointError(f"{self.dir}: neither model.safetensors nor model.safetensors.index.json")
-        self._handles: dict[Path, object] = {}
         self.used: set[str] = set()
         self._bar = None
         if progress_bar:  # a bar over the tensors read (the real model takes minutes)
@@ -53,7 +63,10 @@ class Checkpoint:
 
     def _handle(self, path: Path):
         if path not in self._handles:
-            self._handles[path] = safe_open(path, framework="np")
+            try:
+                self._handles[path] = safe_open(path, framework="np")
+            except Exception as e:  # SafetensorError (truncated, corrupt header), OSError
+                raise CheckpointError(f"{path}: not a readable safetensors file ({str(e)[:200]})") from None
         return self._handles[path]
 
     def shape(self, name: str) -> list[int]:
@@ -65,7 +78,12 @@ class Checkpoint:
         if self._bar is not None and name not in self.used:
             self._bar.update(1)
         self.used.add(name)
-        array = self._handle(self._files[name]).get_tensor(name)
+        try:
+            array = self._handle(self._files[name]).get_tensor(name)
+        except CheckpointError:
+            raise
+        except Exception as e:  # a truncated data section surfaces when the tensor is read
+            raise CheckpointError(f"{self._files[name]}: tensor {name} cannot be read ({str(e)[:200]})") from None
         return array.astype(dtype, copy=False) if dtype is not None else array
 
     def _require(self, names) -> None:
@@ -89,6 +107,13 @@ class Checkpoint:
         if left:
             raise CheckpointError(f"{self.dir}: unmapped tensors: {', '.join(left[:20])}"
                                   + (f" (+{len(left) - 20} more)" if len(left) > 20 else ""))
+
+
+def _read_json(path: Path, what: str):
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path}: {what} is not readable JSON ({e})") from None
 
 
 def weight_norm(g: np.ndarray, v: np.ndarray) -> np.ndarray:

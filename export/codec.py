@@ -62,6 +62,18 @@ class CodecSpec:
 
 def parse_codec_config(cfg: dict) -> CodecSpec:
     """Read the stage lists of an upstream codec ``config.json`` (the decoder list is in execution order)."""
+    if "language_config" in cfg:
+        raise CheckpointError("this is a MOSS-TTS-Realtime checkpoint, not a codec: pass it as --model "
+                              "(and the MOSS-Audio-Tokenizer directory as --codec)")
+    try:
+        return _parse_codec_config(cfg)
+    except CheckpointError:
+        raise
+    except (KeyError, TypeError, ValueError, IndexError) as e:
+        raise CheckpointError(f"not a usable MOSS-Audio-Tokenizer config.json ({type(e).__name__}: {e})") from None
+
+
+def _parse_codec_config(cfg: dict) -> CodecSpec:
     hop = int(cfg["downsample_rate"])
     duration = float(cfg["causal_transformer_context_duration"])
     rate_hz = int(cfg.get("sampling_rate", cfg.get("sample_rate", SAMPLE_RATE)))

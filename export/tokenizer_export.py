@@ -39,7 +39,10 @@ def export_tokenizer(src: str | Path, writer: BundleWriter) -> None:
     """Copy ``tokenizer.json`` from ``src`` (a directory or the file) and write the manifest's
     ``tokenizer`` and ``generation`` sections."""
     path = find_tokenizer(src)
-    tok = Tokenizer.from_file(str(path))
+    try:
+        tok = Tokenizer.from_file(str(path))
+    except Exception as e:  # the tokenizers library raises its own plain Exception
+        raise CheckpointError(f"{path}: not a tokenizer.json ({str(e)[:200]})") from None
     ids = {}
     for key, text in SPECIAL_TOKENS.items():
         token_id = tok.token_to_id(text)

@@ -128,8 +128,20 @@ def _stack(cfg: dict, prefix: str, where: str) -> StackSpec:
 
 def parse_tts_config(cfg: dict) -> TTSConfig:
     """Read an upstream ``MossTTSRealtime`` ``config.json`` (``language_config`` + ``local_config``)."""
+    if "downsample_rate" in cfg and "language_config" not in cfg:
+        raise CheckpointError("this is a MOSS-Audio-Tokenizer (codec) checkpoint: pass it as --codec "
+                              "(and the MOSS-TTS-Realtime directory as --model)")
     if "language_config" not in cfg or "local_config" not in cfg:
         raise CheckpointError("not a MOSS-TTS-Realtime config: language_config / local_config missing")
+    try:
+        return _parse_tts_config(cfg)
+    except CheckpointError:
+        raise
+    except (KeyError, TypeError, ValueError) as e:
+        raise CheckpointError(f"not a usable MOSS-TTS-Realtime config.json ({type(e).__name__}: {e})") from None
+
+
+def _parse_tts_config(cfg: dict) -> TTSConfig:
     lang, local = cfg["language_config"], cfg["local_config"]
     backbone = _stack(lang, BACKBONE, "language_config")
     depth = _stack(local, LOCAL, "local_config")

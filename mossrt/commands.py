@@ -50,14 +50,21 @@ def limits_from(args):
 # ---------------------------------------------------------------------------------------------- bundles
 def cmd_export(args) -> None:
     from export.bundle import BundleWriter
-    from export.checkpoint import resolve_checkpoint
+    from export.checkpoint import Checkpoint, resolve_checkpoint
+    from export.codec import parse_codec_config
     from export.codec_export import export_codec
+    from export.tts import parse_tts_config
     from export.tokenizer_export import export_tokenizer, find_tokenizer
 
     if not args.codec and not args.model:
         raise CliError("export needs --codec CKPT_DIR (and/or --model TTS_CKPT_DIR)")
     codec_dir = resolve_checkpoint(args.codec) if args.codec else None
     model_dir = resolve_checkpoint(args.model) if args.model else None
+    # both configs first: swapped directories are named before anything else is looked for
+    if codec_dir:
+        parse_codec_config(Checkpoint(codec_dir).config)
+    if model_dir:
+        parse_tts_config(Checkpoint(model_dir).config)
     tokenizer = find_tokenizer(resolve_checkpoint(args.tokenizer) if args.tokenizer else model_dir) if model_dir else None
     writer = BundleWriter(args.out)
     if codec_dir:
