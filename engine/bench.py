@@ -9,6 +9,7 @@ import numpy as np
 
 from .codec import Codec
 from .errors import InputError
+from .limits import Limits
 
 
 def bench_codec(codec: Codec, frames: int = 24, repeats: int = 3, chunk_sizes=(1, 3, 6),
@@ -139,3 +140,93 @@ def format_synth_report(r: dict) -> str:
         f"  real-time factor        {r['rtf']:9.3f}   (TTS frame + codec per 80 ms of audio)",
         f"  peak RSS                {r['peak_rss_bytes'] / 2**30:9.2f} GiB",
     ])
+
+
+STREAM_TEXTS = [
+    "Welcome to the world of MOSS TTS Realtime, where text turns into speech as it arrives.",
+    "The quick brown fox jumps over the lazy dog while the streaming model keeps on talking.",
+    "Numbers like forty two and three point one four sound natural when spoken clearly.",
+    "A voice agent answers questions about the weather, the trains and the news of the day.",
+    "Every stream in a batch gets its own audio, exactly as if it had the machine to itself.",
+    "Paris has museums, cafes and long walks along the river, all within a few hours.",
+    "Reading the same weights once for many streams is where a batched server wins its speed.",
+    "Short replies, long stories and everything in between are spoken frame by frame.",
+]
+
+
+def _percentile(values: list[float], q: float) -> float:
+    return float(np.percentile(np.asarray(values), q)) if values else float("nan")
+
+
+def bench_streams(model, streams=(1, 2, 4, 8, 16), frames: int = 32, seed: int = 0) -> dict:
+    """N concurrent streams with different texts through one scheduler: aggregate frames/s, per-stream
+    frame interval p50/p99, time to first frame under load, the ratio to one stream, and KV bytes."""
+    import threading
+
+    from .scheduler import FrameEvent, Scheduler, StreamError, TurnEnd
+
+    if frames < 2 or any(n < 1 for n in streams):
+        raise InputError("bench streams needs frames >= 2 and stream counts >= 1")
+    texts = [model.tokenizer.encode(" ".join(STREAM_TEXTS[i:] + STREAM_TEXTS[:i]) * 3) for i in range(len(STREAM_TEXTS))]
+
+    def run(n: int) -> dict:
+        scheduler = Scheduler(model, slots=n)
+        stats = [None] * n
+
+        def one(i: int) -> None:
+            h = scheduler.open_stream(params=model.default_sampling(), seed=seed + i)
+            t0 = time.perf_counter()
+            h.begin_turn(max_frames=frames, wait=60)
+            h.push_token_ids(texts[i % len(texts)])
+            h.end_text()
+            times = []
+            while True:
+                event = h.get(timeout=600)
+                if isinstance(event, FrameEvent):
+                    times.append(time.perf_counter())
+                elif isinstance(event, StreamError):
+                    raise event.error
+                elif isinstance(event, TurnEnd):
+                    break
+            h.close()
+            stats[i] = (t0, times)
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
+        t_start = time.perf_counter()
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        wall = time.perf_counter() - t_start
+        bytes_per_stream = scheduler.runner.bytes_per_stream()
+        timing = scheduler.runner.timing
+        scheduler.stop()
+        intervals = [b - a for _, ts in stats for a, b in zip(ts, ts[1:])]
+        total = sum(len(ts) for _, ts in stats)
+        return {"streams": n, "frames": total, "wall_s": wall, "frames_per_s": total / wall,
+                "interval_ms_p50": 1000 * _percentile(intervals, 50), "interval_ms_p99": 1000 * _percentile(intervals, 99),
+                "first_frame_ms_p50": 1000 * _percentile([ts[0] - t0 for t0, ts in stats if ts], 50),
+                "first_frame_ms_max": 1000 * max(ts[0] - t0 for t0, ts in stats if ts),
+                "backbone_steps": timing.step.calls, "depth_calls": timing.depth.calls,
+                "kv_bytes_in_use": n * bytes_per_stream, "kv_bytes_per_stream": bytes_per_stream}
+
+    run(1)   # warm-up: session creation, first-run allocations
+    results = [run(n) for n in streams]
+    base = results[0]["frames_per_s"] if results and results[0]["streams"] == 1 else None
+    for r in results:
+        r["speedup_vs_1"] = r["frames_per_s"] / base if base else None
+    return {"device": model.bundle.device, "tts_dtype": model.bundle.info.tts.dtype, "frames_per_stream": frames,
+            "kv_rows_per_slot": Limits().max_context_rows, "runs": results, "peak_rss_bytes": peak_rss_bytes()}
+
+
+def format_streams_report(r: dict) -> str:
+    lines = [f"streams bench: {r['frames_per_stream']} frames per stream, device {r['device']}, tts {r['tts_dtype']}, "
+             f"KV slot {r['kv_rows_per_slot']} rows",
+             "  streams   frames/s   x one   interval p50/p99 ms   first frame p50/max ms   KV in use"]
+    for x in r["runs"]:
+        speed = f"x{x['speedup_vs_1']:.2f}" if x["speedup_vs_1"] else "  -"
+        lines.append(f"  {x['streams']:>7} {x['frames_per_s']:10.1f} {speed:>7}   {x['interval_ms_p50']:8.1f} / "
+                     f"{x['interval_ms_p99']:<8.1f}   {x['first_frame_ms_p50']:9.1f} / {x['first_frame_ms_max']:<9.1f}"
+                     f"   {x['kv_bytes_in_use'] / 2**20:8.1f} MiB")
+    lines.append(f"  peak RSS {r['peak_rss_bytes'] / 2**30:.2f} GiB")
+    return "\n".join(lines)

@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
-from onnx import TensorProto
+from onnx import TensorProto, helper
 
 from .checkpoint import Checkpoint, CheckpointError
 from .graph import GraphBuilder
@@ -343,47 +343,64 @@ def sampling_filter(gb: GraphBuilder, logits: str, history: str, penalty: str, t
     * probs: softmax(filtered), the distribution a sample is drawn from.
     """
     V = vocab
-    vocab_ids = gb.const(np.arange(V, dtype=np.int64), np.int64)
-    # repetition penalty: membership of each vocab id in the window, per codebook
-    hit = gb.op("Equal", [gb.unsqueeze(history, [3]), vocab_ids])                       # [B, W, N, V]
-    seen = gb.op("Greater", [gb.op("ReduceMax", [gb.cast(hit, FLOAT), gb.const([1], np.int64)], keepdims=0),
-                             gb.const(0.0)])                                            # [B, N, V]
-    pen = _row(gb, penalty)
-    punished = gb.op("Where", [gb.op("Less", [logits, gb.const(0.0)]), gb.op("Mul", [logits, pen]),
-                               gb.op("Div", [logits, pen])])
-    penalized = gb.op("Where", [seen, punished, logits])
+    with gb.scope("sampling.repetition_penalty"):
+        # membership of each vocab id in the window, per codebook: scatter ones at the window's ids into a
+        # [B, N, V + 1] map (the history pad V lands in the extra column); O(window), not O(window x V)
+        ids = gb.transpose(history, [0, 2, 1])                                              # [B, N, W]
+        marks = gb.op("ConstantOfShape", [gb.concat([gb.op("Shape", [logits], start=0, end=2),
+                                                     gb.const([V + 1], np.int64)], 0)],
+                      value=helper.make_tensor("zero", FLOAT, [1], [0.0]))                  # [B, N, V+1]
+        ones = gb.op("Expand", [gb.const(1.0), gb.op("Shape", [ids])])
+        marks = gb.op("ScatterElements", [marks, ids, ones], axis=-1)
+        seen = gb.op("Greater", [gb.op("Slice", [marks, gb.const([0], np.int64), gb.const([V], np.int64),
+                                                 gb.const([2], np.int64)]), gb.const(0.0)])  # [B, N, V]
+        pen = _row(gb, penalty)
+        punished = gb.op("Where", [gb.op("Less", [logits, gb.const(0.0)]), gb.op("Mul", [logits, pen]),
+                                   gb.op("Div", [logits, pen])])
+        penalized = gb.op("Where", [seen, punished, logits])
 
-    # temperature
-    temp = gb.op("Where", [gb.op("Greater", [temperature, gb.const(0.0)]), temperature, gb.const(1.0)])
-    scaled = gb.op("Div", [penalized, _row(gb, temp)])
+    with gb.scope("sampling.temperature"):
+        temp = gb.op("Where", [gb.op("Greater", [temperature, gb.const(0.0)]), temperature, gb.const(1.0)])
+        scaled = gb.op("Div", [penalized, _row(gb, temp)])
 
     neg_inf = gb.const(-np.inf)
-    # top-k: threshold = k-th largest value of the row
-    k = gb.op("Where", [gb.op("And", [gb.op("Greater", [top_k, gb.const(0, np.int64)]),
-                                       gb.op("Less", [top_k, gb.const(V, np.int64)])]),
-                        top_k, gb.const(V, np.int64)])                                  # [B]
-    desc, _ = gb.op("TopK", [scaled, gb.const([V], np.int64)], n_out=2, axis=-1, largest=1, sorted=1)
-    n_books = gb.op("Shape", [scaled], start=1, end=2)
-    k_idx = gb.op("Expand", [_row(gb, gb.op("Sub", [k, gb.const(1, np.int64)])),
-                             gb.concat([gb.op("Shape", [scaled], start=0, end=1), n_books,
-                                        gb.const([1], np.int64)], 0)])                   # [B, N, 1]
-    kth = gb.op("GatherElements", [desc, k_idx], axis=-1)                               # [B, N, 1]
-    topk = gb.op("Where", [gb.op("Less", [scaled, kth]), neg_inf, scaled])
+    batch_books = gb.op("Shape", [scaled], start=0, end=2)
+    with gb.scope("sampling.top_k"):
+        # threshold = the k-th largest value of the row; only the largest max(k) values are sorted
+        k = gb.op("Where", [gb.op("And", [gb.op("Greater", [top_k, gb.const(0, np.int64)]),
+                                           gb.op("Less", [top_k, gb.const(V, np.int64)])]),
+                            top_k, gb.const(V, np.int64)])                                  # [B]
+        k_max = gb.unsqueeze(gb.op("ReduceMax", [k], keepdims=0), [0])                      # [1]
+        desc, _ = gb.op("TopK", [scaled, k_max], n_out=2, axis=-1, largest=1, sorted=1)     # [B, N, k_max]
+        k_idx = gb.op("Expand", [_row(gb, gb.op("Sub", [k, gb.const(1, np.int64)])),
+                                 gb.concat([batch_books, gb.const([1], np.int64)], 0)])      # [B, N, 1]
+        kth = gb.op("GatherElements", [desc, k_idx], axis=-1)                               # [B, N, 1]
+        topk = gb.op("Where", [gb.op("Less", [scaled, kth]), neg_inf, scaled])              # ties all kept
 
-    # top-p on the top-k-filtered logits (HF TopPLogitsWarper)
-    asc, order = gb.op("TopK", [topk, gb.const([V], np.int64)], n_out=2, axis=-1, largest=0, sorted=1)
-    cum = gb.cast(gb.op("CumSum", [gb.cast(gb.op("Softmax", [asc], axis=-1), DOUBLE), gb.const(-1, np.int64)]),
-                  FLOAT)
-    cut = _row(gb, gb.op("Sub", [gb.const(1.0), top_p]))
-    drop_sorted = gb.op("LessOrEqual", [cum, cut])
-    keep_last = np.ones(V, dtype=bool)
-    keep_last[-1] = False
-    drop_sorted = gb.op("And", [drop_sorted, gb.const(keep_last, np.bool_)])           # always keep the max
-    drop = gb.op("ScatterElements", [gb.cast(drop_sorted, FLOAT), order, gb.cast(drop_sorted, FLOAT)], axis=-1)
-    p_on = _row(gb, gb.op("Less", [top_p, gb.const(1.0)]))
-    drop = gb.op("And", [gb.op("Greater", [drop, gb.const(0.0)]), p_on])
-    filtered = gb.op("Where", [drop, neg_inf, topk])
-    probs = gb.op("Softmax", [filtered], axis=-1)
+    with gb.scope("sampling.top_p"):
+        # HF TopPLogitsWarper on the survivors only: the -inf entries add exact zeros to the ascending
+        # cumulative sum, so sorting just the finite values (every row's, ties included) is the same
+        finite = gb.op("ReduceSum", [gb.cast(gb.op("Greater", [topk, neg_inf]), INT64), gb.const([-1], np.int64)],
+                       keepdims=0)                                                           # [B, N]
+        n_win = gb.op("ReduceMax", [finite], keepdims=0)
+        n = gb.unsqueeze(n_win, [0])
+        top, top_idx = gb.op("TopK", [topk, n], n_out=2, axis=-1, largest=1, sorted=1)  # ties: lower id first
+        # ascending, ties by id (the upstream stable sort): re-sort the small window, ties keep window order
+        win, pos = gb.op("TopK", [top, n], n_out=2, axis=-1, largest=0, sorted=1)
+        order = gb.op("GatherElements", [top_idx, pos], axis=-1)
+        cum = gb.cast(gb.op("CumSum", [gb.cast(gb.op("Softmax", [win], axis=-1), DOUBLE), gb.const(-1, np.int64)]),
+                      FLOAT)
+        cut = _row(gb, gb.op("Sub", [gb.const(1.0), top_p]))
+        last = gb.op("Sub", [n_win, gb.const(1, np.int64)])
+        not_max = gb.op("Less", [gb.arange(n_win), last])                                   # always keep the max
+        drop_win = gb.op("And", [gb.op("LessOrEqual", [cum, cut]), not_max])                 # [B, N, n_win]
+        drop = gb.op("ScatterElements", [gb.op("ConstantOfShape", [gb.op("Shape", [topk])],
+                                               value=helper.make_tensor("zero", FLOAT, [1], [0.0])),
+                                         order, gb.cast(drop_win, FLOAT)], axis=-1)
+        p_on = _row(gb, gb.op("Less", [top_p, gb.const(1.0)]))
+        drop = gb.op("And", [gb.op("Greater", [drop, gb.const(0.0)]), p_on])
+        filtered = gb.op("Where", [drop, neg_inf, topk])
+        probs = gb.op("Softmax", [filtered], axis=-1)
     return penalized, filtered, probs
 
 

@@ -103,6 +103,13 @@ def build_parser() -> argparse.ArgumentParser:
         bp.add_argument("--json", help="also write the results as JSON here")
         runtime_flags(bp)
         bp.set_defaults(func=func)
+    bs = bsub.add_parser("streams", help="N concurrent streams through the batched scheduler")
+    bundle_flag(bs)
+    bs.add_argument("--streams", default="1,2,4,8,16", help="stream counts to run, e.g. 1,2,4,8,16 (each 1..256)")
+    bs.add_argument("--frames", type=int_in(2, 3750), default=32, help="frames per stream (2..3750)")
+    bs.add_argument("--json", help="also write the results as JSON here")
+    runtime_flags(bs)
+    bs.set_defaults(func=c.cmd_bench_streams)
 
     d = sub.add_parser("demo", help="build the built-in demo bundle and synthesize with it")
     d.add_argument("--bundle", help="demo bundle directory (default: MOSSRT_DEMO_DIR or ~/.cache/mossrt/demo-bundle)")

@@ -255,6 +255,22 @@ def cmd_bench_synth(args) -> None:
     report(result, format_synth_report(result), args.json)
 
 
+def cmd_bench_streams(args) -> None:
+    from engine.audio_io import check_writable_file
+    from engine.bench import bench_streams, format_streams_report
+
+    if args.json:
+        check_writable_file(args.json, "--json")
+    try:
+        counts = [int(x) for x in args.streams.split(",") if x.strip()]
+    except ValueError:
+        raise CliError(f"--streams must be comma-separated stream counts, got {args.streams!r}") from None
+    if not counts or any(not 1 <= n <= 256 for n in counts):
+        raise CliError("--streams counts must be integers in 1..256")
+    result = bench_streams(load_model(args), streams=counts, frames=args.frames)
+    report(result, format_streams_report(result), args.json)
+
+
 # ---------------------------------------------------------------------------------------------- checkpoints, demo
 def cmd_make_checkpoint(args) -> None:
     from export import random_checkpoint
