@@ -153,6 +153,10 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--out", required=True, help="checkpoint directory to write")
     m.add_argument("--seed", type=int_in(0, 2**31 - 2), default=0, help="random seed")
     m.set_defaults(func=c.cmd_make_checkpoint)
+
+    from .serve import add_serve_parser
+
+    add_serve_parser(sub, runtime_flags, int_in, finite_float)
     return p
 
 

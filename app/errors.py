@@ -1,0 +1,93 @@
+"""Every error leaves the service in OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``.
+
+Typed engine errors are mapped here, once, for HTTP and WebSocket (the LocalAI backend maps them to
+gRPC status codes in its own module).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from engine.errors import (BundleError, CapacityError, EngineError, GraphError, InputError, OverloadError,
+                           StreamClosedError)
+
+log = logging.getLogger("mossrt.app")
+
+RETRY_AFTER_SECONDS = 1
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None, headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+def from_engine(exc: Exception, param: str | None = None) -> ApiError:
+    """The API error for an engine exception (or any other: a 500 that says not to retry)."""
+    if isinstance(exc, ApiError):
+        return exc
+    if isinstance(exc, CapacityError):
+        return ApiError(429, str(exc), "rate_limit_error", None, "no_capacity",
+                        {"Retry-After": str(RETRY_AFTER_SECONDS)})
+    if isinstance(exc, OverloadError):
+        return ApiError(503, str(exc), "server_error", None, "draining", {"Retry-After": str(RETRY_AFTER_SECONDS)})
+    if isinstance(exc, StreamClosedError):
+        return ApiError(400, str(exc), "invalid_request_error", param, "stream_closed")
+    if isinstance(exc, InputError):
+        return ApiError(400, str(exc), "invalid_request_error", param, "invalid_value")
+    if isinstance(exc, (GraphError, BundleError, EngineError)):
+        return ApiError(500, str(exc), "server_error", None, "engine_error", {"x-should-retry": "false"})
+    log.exception("unexpected error", exc_info=exc)
+    return ApiError(500, "internal server error", "server_error", None, "internal_error", {"x-should-retry": "false"})
+
+
+def _validation_error(exc: RequestValidationError) -> ApiError:
+    err = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
+    loc = [str(p) for p in err.get("loc", ()) if p not in ("body", "query", "path", "header")]
+    param = ".".join(loc) or None
+    msg = err.get("msg", "invalid request")
+    if err.get("type") == "json_invalid":
+        return ApiError(400, f"the request body is not valid JSON: {msg}", "invalid_request_error", None, "invalid_json")
+    if err.get("type") == "missing":
+        return ApiError(400, f"missing required parameter: {param}", "invalid_request_error", param, "missing_parameter")
+    return ApiError(400, f"{param}: {msg}" if param else msg, "invalid_request_error", param, "invalid_value")
+
+
+def install(app: FastAPI) -> None:
+    """Exception handlers that answer every error in OpenAI's shape (never FastAPI's 422 ``detail``)."""
+
+    @app.exception_handler(ApiError)
+    async def _api(request: Request, exc: ApiError):
+        return exc.response()
+
+    @app.exception_handler(EngineError)
+    async def _engine(request: Request, exc: EngineError):
+        return from_engine(exc).response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, exc: RequestValidationError):
+        return _validation_error(exc).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException):
+        kind = {401: "invalid_request_error", 404: "invalid_request_error", 405: "invalid_request_error"}
+        code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(exc.status_code)
+        return ApiError(exc.status_code, str(exc.detail), kind.get(exc.status_code, "invalid_request_error"),
+                        None, code, dict(exc.headers or {})).response()
+
+    @app.exception_handler(Exception)
+    async def _any(request: Request, exc: Exception):
+        return from_engine(exc).response()

@@ -1,0 +1,1 @@
+"""HTTP and WebSocket routes: each module translates one surface of the service."""

@@ -1,0 +1,62 @@
+"""Operations: liveness, readiness, Prometheus metrics, and the model list."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from ..auth import require_key
+from ..errors import ApiError
+from ..schemas import ModelCard, ModelList
+from ..service import MODEL_ALIASES, MODEL_ID, TTSService
+
+router = APIRouter()
+
+
+@router.get("/health")
+async def health():
+    """Alive (the process answers); says nothing about the model."""
+    return {"status": "ok"}
+
+
+@router.get("/ready")
+async def ready(request: Request):
+    """200 once the bundle is loaded and warmed up; 503 while loading, after a load failure and while draining."""
+    service: TTSService = request.app.state.service
+    body = {"status": service.state, "bundle": str(service.bundle.dir), "demo": service.bundle.is_demo,
+            "device": service.bundle.device}
+    if service.state == "failed":
+        body["error"] = service.error
+    if service.scheduler is not None:
+        s = service.scheduler.stats()
+        body["streams"] = {"capacity": s.capacity, "active": s.active, "queued": s.queued}
+    return JSONResponse(body, status_code=200 if service.state == "ready" else 503)
+
+
+@router.get("/metrics")
+async def metrics(request: Request):
+    service: TTSService = request.app.state.service
+    m = request.app.state.metrics
+    m.ready.set(1 if service.state == "ready" else 0)
+    stats = service.scheduler.stats() if service.scheduler is not None else None
+    return Response(m.render(stats), media_type=CONTENT_TYPE_LATEST)
+
+
+def _cards(service: TTSService) -> list[ModelCard]:
+    owner = "mossrt (demo bundle: random weights)" if service.bundle.is_demo else "mossrt"
+    return [ModelCard(id=name, created=service.created, owned_by=owner) for name in (MODEL_ID, *MODEL_ALIASES)]
+
+
+@router.get("/v1/models", dependencies=[Depends(require_key)], response_model=ModelList)
+async def list_models(request: Request):
+    """Our model and the OpenAI names we accept for it (any ``model`` string is accepted by the speech route)."""
+    return ModelList(data=_cards(request.app.state.service))
+
+
+@router.get("/v1/models/{model_id}", dependencies=[Depends(require_key)], response_model=ModelCard)
+async def get_model(model_id: str, request: Request):
+    for card in _cards(request.app.state.service):
+        if card.id == model_id:
+            return card
+    raise ApiError(404, f"model {model_id!r} not found", "invalid_request_error", "model", "model_not_found")

@@ -1,0 +1,66 @@
+"""``/v1/audio/voices``: register a reference recording once (its codec codes are stored), list, get, delete."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Depends, File, Form, Request, UploadFile
+from starlette.concurrency import run_in_threadpool
+
+from engine.errors import InputError
+
+from ..auth import require_key
+from ..errors import ApiError
+from ..schemas import DeletedVoice, VoiceList, VoiceObject
+from ..service import DEFAULT_VOICE, OPENAI_VOICES, TTSService
+from ..uploads import decode_upload
+
+router = APIRouter(dependencies=[Depends(require_key)])
+
+
+@router.post("/v1/audio/voices", response_model=VoiceObject)
+async def create_voice(request: Request, name: str = Form(..., max_length=64), audio_sample: UploadFile = File(...)):
+    """Multipart ``name`` + ``audio_sample`` (any common format and rate, at most 10 MiB by default, 0.5 s to
+    the voice length limit). Encoded once; usable as ``voice: "<name>"`` or ``{"id": "<id>"}``."""
+    service: TTSService = request.app.state.service
+    service.require_ready()
+    if name.lower() in (DEFAULT_VOICE, *OPENAI_VOICES):
+        raise ApiError(400, f"{name!r} is a built-in voice name; pick another", param="name", code="reserved_name")
+    limit = service.settings.max_upload_bytes
+    data = await audio_sample.read(limit + 1)
+    if len(data) > limit:
+        raise ApiError(413, f"audio_sample is larger than {limit} bytes", param="audio_sample", code="file_too_large")
+    try:
+        service.voices.check_name(name)
+    except InputError as e:
+        raise ApiError(400, str(e), param="name", code="invalid_value") from None
+    if service.voices.find(name) is not None:
+        raise ApiError(409, f"a voice named {name!r} already exists; delete it first or pick another name",
+                       param="name", code="voice_exists")
+    try:
+        wav, rate = await run_in_threadpool(decode_upload, data, service.limits)
+        rec = await run_in_threadpool(service.register_voice, name, wav, rate)
+    except InputError as e:
+        code = "voice_exists" if "already exists" in str(e) else "invalid_audio"
+        raise ApiError(409 if code == "voice_exists" else 400, str(e), param="audio_sample", code=code) from None
+    return VoiceObject(**rec.public())
+
+
+@router.get("/v1/audio/voices", response_model=VoiceList)
+async def list_voices(request: Request):
+    service: TTSService = request.app.state.service
+    return VoiceList(data=[VoiceObject(**r.public()) for r in service.voices.list()])
+
+
+@router.get("/v1/audio/voices/{voice_id}", response_model=VoiceObject)
+async def get_voice(voice_id: str, request: Request):
+    rec = request.app.state.service.voices.find(voice_id)
+    if rec is None:
+        raise ApiError(404, f"voice {voice_id!r} not found", param="voice_id", code="voice_not_found")
+    return VoiceObject(**rec.public())
+
+
+@router.delete("/v1/audio/voices/{voice_id}", response_model=DeletedVoice)
+async def delete_voice(voice_id: str, request: Request):
+    rec = request.app.state.service.voices.delete(voice_id)
+    if rec is None:
+        raise ApiError(404, f"voice {voice_id!r} not found", param="voice_id", code="voice_not_found")
+    return DeletedVoice(id=rec.id)

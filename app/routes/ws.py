@@ -1,0 +1,384 @@
+"""``WS /v1/audio/speech/stream``: text in as it is written, audio out as it is generated, many turns.
+
+JSON text frames with a ``type`` both ways; audio as binary frames. One connection is one stream: its
+multi-turn context (the KV cache) lives as long as the connection. See the README for the protocol.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import json
+import logging
+import math
+import secrets
+import time
+
+from fastapi import APIRouter, WebSocket, WebSocketDisconnect
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, ValidationError
+from starlette.concurrency import run_in_threadpool
+
+from engine.errors import EngineError
+from engine.scheduler import AsyncSink, FrameEvent, StreamError, StreamHandle, TurnEnd
+from engine.voices import resolve_voice
+
+from ..audio_formats import float_to_pcm16, wav_stream_header
+from ..auth import websocket_key
+from ..errors import ApiError, from_engine
+from ..metrics import FRAME_SECONDS, StreamMeter
+from ..schemas import SamplingExtras, VoiceRef
+from ..service import SamplingFields, TTSService
+from ..uploads import decode_upload
+
+log = logging.getLogger("mossrt.ws")
+router = APIRouter()
+PATH = "/v1/audio/speech/stream"
+
+CLOSE_UNAUTHORIZED = 4001
+CLOSE_POLICY = 4008       # idle timeout, too many turns
+CLOSE_UNAVAILABLE = 4503  # loading, draining
+CLOSE_INTERNAL = 4500
+
+
+class SessionUpdate(SamplingExtras):
+    model_config = ConfigDict(extra="forbid")
+    type: str
+    event_id: StrictStr | None = None
+    voice: StrictStr | VoiceRef | None = None
+    response_format: str | None = Field(None, pattern="^(pcm|wav)$")
+
+
+class UserInput(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: str
+    event_id: StrictStr | None = None
+    text: StrictStr | None = None
+    audio: StrictStr | None = None        # base64 of an audio file (WAV, FLAC, ...)
+
+
+class TextInput(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: str
+    event_id: StrictStr | None = None
+    text: StrictStr
+
+
+class TokensInput(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: str
+    event_id: StrictStr | None = None
+    ids: list[StrictInt] = Field(max_length=100_000)
+
+
+class Truncate(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: str
+    event_id: StrictStr | None = None
+    audio_end_ms: StrictInt = Field(ge=0)
+
+
+class Bare(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: str
+    event_id: StrictStr | None = None
+
+
+class ProtocolError(Exception):
+    def __init__(self, code: str, message: str, fatal: bool = False, close: int = CLOSE_POLICY):
+        super().__init__(message)
+        self.code, self.message, self.fatal, self.close = code, message, fatal, close
+
+
+@router.websocket(PATH)
+async def speech_stream(ws: WebSocket):
+    service: TTSService = ws.app.state.service
+    authorized, subprotocol = websocket_key(ws, service.settings.api_keys)
+    await ws.accept(subprotocol=subprotocol)
+    session = WsSession(ws, service, ws.app.state.metrics)
+    if not authorized:
+        await session.fail(ProtocolError("invalid_api_key", "missing or invalid API key", True, CLOSE_UNAUTHORIZED))
+        return
+    try:
+        service.require_ready()
+    except ApiError as e:
+        await session.fail(ProtocolError(e.code or "unavailable", e.message, True, CLOSE_UNAVAILABLE))
+        return
+    await session.run()
+
+
+class WsSession:
+    def __init__(self, ws: WebSocket, service: TTSService, metrics):
+        self.ws, self.service, self.metrics = ws, service, metrics
+        self.settings = service.settings
+        self.session_id = "sess_" + secrets.token_hex(8)
+        self.format = "pcm"
+        self.voice_spec = None
+        self.sampling = SamplingFields()
+        self.max_frames: int | None = None
+        self.handle: StreamHandle | None = None
+        self.user_text = ""
+        self.user_audio = None
+        self.turns = 0
+        self.response_id: str | None = None
+        self.meter: StreamMeter | None = None
+        self.turn_text_tokens = 0
+        self.turn_open = False            # response.created sent, response.done not yet
+        self.turn_closed = asyncio.Event()
+        self.turn_closed.set()
+        self.last_response: str | None = None
+        self._send_lock = asyncio.Lock()
+        self._sender: asyncio.Task | None = None
+        self._closing = False
+
+    # ------------------------------------------------------------------ sending
+    async def send_json(self, payload: dict) -> None:
+        async with self._send_lock:
+            await self.ws.send_text(json.dumps(payload, separators=(",", ":")))
+
+    async def send_bytes(self, data: bytes) -> None:
+        async with self._send_lock:
+            await self.ws.send_bytes(data)
+
+    async def error(self, code: str, message: str, fatal: bool = False, event_id: str | None = None,
+                    type_: str = "invalid_request_error") -> None:
+        payload = {"type": "error", "error": {"type": type_, "code": code, "message": message}, "fatal": fatal}
+        if event_id:
+            payload["event_id"] = event_id
+        await self.send_json(payload)
+
+    async def fail(self, e: ProtocolError) -> None:
+        try:
+            await self.error(e.code, e.message, fatal=True)
+            await self.ws.close(code=e.close, reason=e.message[:120])
+        except (WebSocketDisconnect, RuntimeError):
+            pass
+
+    # ------------------------------------------------------------------ main loop
+    async def run(self) -> None:
+        self.metrics.sessions.inc()
+        try:
+            await self.send_json({
+                "type": "session.created", "session_id": self.session_id, "sample_rate": 24000, "format": self.format,
+                "limits": {"max_message_bytes": self.settings.ws_max_message_bytes,
+                           "max_buffered_chars": self.settings.ws_max_buffered_chars,
+                           "max_turns": self.settings.ws_max_turns, "idle_timeout_s": self.settings.ws_idle_timeout,
+                           "max_context_rows": self.service.limits.max_context_rows,
+                           "max_voice_seconds": self.service.limits.max_voice_seconds}})
+            while True:
+                try:
+                    message = await asyncio.wait_for(self.ws.receive(), timeout=self.settings.ws_idle_timeout)
+                except asyncio.TimeoutError:
+                    if self.turn_open:
+                        continue                       # the client is listening to a turn: not idle
+                    raise ProtocolError("idle_timeout", f"no message for {self.settings.ws_idle_timeout:g} s",
+                                        True, CLOSE_POLICY) from None
+                if message["type"] == "websocket.disconnect":
+                    return
+                await self.handle_message(message)
+        except ProtocolError as e:
+            await self.fail(e)
+        except WebSocketDisconnect:
+            pass
+        except Exception as e:  # noqa: BLE001 - one session's bug never takes the server down
+            log.exception("websocket session failed")
+            await self.fail(ProtocolError("internal_error", f"internal error: {type(e).__name__}", True,
+                                          CLOSE_INTERNAL))
+        finally:
+            self.metrics.sessions.dec()
+            if self._sender is not None:
+                self._sender.cancel()
+            if self.handle is not None:
+                self.handle.close()
+
+    async def handle_message(self, message: dict) -> None:
+        if message.get("bytes") is not None:
+            await self.error("binary_not_expected", "send JSON text frames; binary frames are for audio the server "
+                                                    "sends")
+            return
+        text = message.get("text") or ""
+        if len(text.encode()) > self.settings.ws_max_message_bytes:
+            await self.error("message_too_large", f"messages are limited to {self.settings.ws_max_message_bytes} bytes")
+            return
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            await self.error("invalid_json", f"not valid JSON: {e}")
+            return
+        if not isinstance(data, dict) or not isinstance(data.get("type"), str):
+            await self.error("invalid_message", "every message is a JSON object with a string \"type\"")
+            return
+        event_id = data.get("event_id") if isinstance(data.get("event_id"), str) else None
+        handler = {"session.update": self.on_session_update, "input.user": self.on_user, "input.text": self.on_text,
+                   "input.tokens": self.on_tokens, "input.done": self.on_done, "response.cancel": self.on_cancel,
+                   "response.truncate": self.on_truncate}.get(data["type"])
+        if handler is None:
+            await self.error("unknown_type", f"unknown message type {data['type']!r}", event_id=event_id)
+            return
+        try:
+            await handler(data)
+        except ValidationError as e:
+            err = e.errors()[0]
+            where = ".".join(str(p) for p in err["loc"])
+            await self.error("invalid_value", f"{data['type']}: {where}: {err['msg']}", event_id=event_id)
+        except ApiError as e:
+            if e.status in (503,):
+                raise ProtocolError(e.code or "unavailable", e.message, True, CLOSE_UNAVAILABLE) from None
+            await self.error(e.code or "invalid_value", e.message, event_id=event_id,
+                             type_="rate_limit_error" if e.status == 429 else e.type)
+        except EngineError as e:
+            err = from_engine(e)
+            await self.error(err.code or "invalid_value", err.message, event_id=event_id,
+                             type_="rate_limit_error" if err.status == 429 else err.type)
+
+    # ------------------------------------------------------------------ client messages
+    async def on_session_update(self, data: dict) -> None:
+        msg = SessionUpdate.model_validate(data)
+        if self.turn_open:
+            raise ApiError(400, "session.update goes between turns", code="turn_in_progress")
+        fields = msg.model_fields_set
+        if "voice" in fields:
+            voice = msg.voice.model_dump() if isinstance(msg.voice, VoiceRef) else msg.voice
+            if self.handle is not None and voice != self.voice_spec:
+                raise ApiError(400, "the voice is part of the session's context: it can only change before the first "
+                               "turn (open a new session for another voice)", param="voice", code="voice_locked")
+            self.service.resolve_voice(voice)            # unknown voices fail now, not at the first turn
+            self.voice_spec = voice
+        if msg.response_format is not None:
+            self.format = msg.response_format
+        if "seed" in fields and self.handle is not None and msg.seed != self.sampling.seed:
+            raise ApiError(400, "the seed can only change before the first turn", param="seed", code="seed_locked")
+        merged = {k: getattr(msg, k) if k in fields else getattr(self.sampling, k)
+                  for k in SamplingFields.__dataclass_fields__}
+        candidate = SamplingFields(**merged)
+        self.service.sampling(candidate)                 # validate the combination now
+        self.sampling = candidate
+        if "max_frames" in fields:
+            self.max_frames = msg.max_frames
+        await self.send_json({"type": "session.updated", "session": {
+            "format": self.format, "voice": self.voice_spec, "max_frames": self.max_frames,
+            **{k: v for k, v in self.sampling.__dict__.items()}}})
+
+    async def on_user(self, data: dict) -> None:
+        msg = UserInput.model_validate(data)
+        if self.turn_open:
+            raise ApiError(400, "input.user goes before a turn's first text", code="turn_in_progress")
+        if msg.text is not None:
+            if len(msg.text) > self.service.limits.max_text_chars:
+                raise ApiError(400, f"user text is {len(msg.text)} characters; the limit is "
+                               f"{self.service.limits.max_text_chars}", param="text", code="input_too_long")
+            self.user_text = msg.text
+        if msg.audio is not None:
+            try:
+                raw = base64.b64decode(msg.audio, validate=True)
+            except (binascii.Error, ValueError):
+                raise ApiError(400, "audio must be base64 of an audio file", param="audio", code="invalid_audio") from None
+            wav, rate = await run_in_threadpool(decode_upload, raw, self.service.limits, "user audio", True)
+            self.user_audio = await run_in_threadpool(
+                lambda: resolve_voice(self.service.model, self.service.limits, wav=(wav, rate), what="user audio",
+                                      user_audio=True))
+        await self.send_json({"type": "input.user.accepted", "text_chars": len(self.user_text),
+                              "audio_frames": 0 if self.user_audio is None else len(self.user_audio)})
+
+    async def on_text(self, data: dict) -> None:
+        msg = TextInput.model_validate(data)
+        await self._open_turn()
+        self._check_buffer(len(msg.text))
+        self.turn_text_tokens += self.handle.push_text(msg.text)
+
+    async def on_tokens(self, data: dict) -> None:
+        msg = TokensInput.model_validate(data)
+        self.service.model.check_text_ids(msg.ids)        # refuse bad ids before a turn opens
+        await self._open_turn()
+        self._check_buffer(len(msg.ids))
+        self.turn_text_tokens += self.handle.push_token_ids(msg.ids)
+
+    async def on_done(self, data: dict) -> None:
+        Bare.model_validate(data)
+        if not self.turn_open or self.handle is None or not self.handle.stream.has_turn:
+            raise ApiError(400, "no turn is open: send input.text or input.tokens first", code="no_turn")
+        self.turn_text_tokens += self.handle.end_text()
+
+    async def on_cancel(self, data: dict) -> None:
+        Bare.model_validate(data)
+        if not self.turn_open or self.handle is None:
+            raise ApiError(400, "no response is in progress", code="no_response")
+        self.handle.cancel()
+
+    async def on_truncate(self, data: dict) -> None:
+        msg = Truncate.model_validate(data)
+        if self.handle is None or self.last_response is None:
+            raise ApiError(400, "no response to truncate", code="no_response")
+        if self.turn_open:
+            raise ApiError(400, "truncate after the response ended (send response.cancel first)", code="turn_in_progress")
+        frames = math.ceil(msg.audio_end_ms / (1000 * FRAME_SECONDS))
+        kept = self.handle.truncate_turn(frames)
+        await self.send_json({"type": "response.truncated", "response_id": self.last_response,
+                              "audio_end_ms": msg.audio_end_ms, "audio_frames": frames, "context_rows": kept})
+
+    # ------------------------------------------------------------------ turns
+    async def _open_turn(self) -> None:
+        if self.turn_open:
+            return
+        await self.turn_closed.wait()
+        if self.turns >= self.settings.ws_max_turns:
+            raise ProtocolError("max_turns", f"this session reached its {self.settings.ws_max_turns} turns", True)
+        params = self.service.sampling(self.sampling)
+        if self.handle is None:
+            voice = self.service.resolve_voice(self.voice_spec)
+            self.handle = self.service.open_stream(voice, params, self.sampling.seed, AsyncSink())
+            self._sender = asyncio.create_task(self._send_events())
+        started = time.monotonic()
+        await run_in_threadpool(self.handle.begin_turn, self.user_text, self.user_audio, None, self.max_frames, params)
+        self.user_text, self.user_audio = "", None
+        self.turns += 1
+        self.response_id = "resp_" + secrets.token_hex(8)
+        self.meter = StreamMeter(self.metrics, "ws", started)
+        self.turn_text_tokens = 0
+        self.turn_open = True
+        self.turn_closed.clear()
+        await self.send_json({"type": "response.created", "response_id": self.response_id, "turn": self.turns})
+
+    def _check_buffer(self, incoming: int) -> None:
+        s = self.handle.stream
+        if s.turn_done:
+            reason = s.stats.finish_reason.value if s.stats.finish_reason else "ended"
+            raise ApiError(400, f"the response already ended ({reason}); this text was not spoken: wait for "
+                           "response.done, then send the next turn's text", code="response_ended")
+        if s.pending_text_chars + s.pending_text_ids + incoming > self.settings.ws_max_buffered_chars:
+            raise ApiError(400, f"text buffer full: at most {self.settings.ws_max_buffered_chars} characters may wait "
+                           "to be spoken; send more once audio has caught up", code="text_buffer_full")
+
+    async def _send_events(self) -> None:
+        wav_pending = False
+        try:
+            while True:
+                event = await self.handle.aget()
+                if isinstance(event, FrameEvent):
+                    self.meter.frame()
+                    if event.frame.index == 0:
+                        wav_pending = self.format == "wav"
+                    if event.frame.audio is not None:
+                        data = float_to_pcm16(event.frame.audio)
+                        if wav_pending:
+                            data, wav_pending = wav_stream_header() + data, False
+                        await self.send_bytes(data)
+                        self.meter.audio_sent(FRAME_SECONDS)
+                elif isinstance(event, StreamError):
+                    err = from_engine(event.error)
+                    await self.error(err.code or "engine_error", err.message, type_=err.type)
+                elif isinstance(event, TurnEnd):
+                    timing = self.meter.finish()
+                    status = "200" if event.stats.finish_reason.value != "error" else "500"
+                    self.metrics.requests.labels(PATH, status).inc()
+                    await self.send_json({
+                        "type": "response.done", "response_id": self.response_id,
+                        "finish_reason": event.stats.finish_reason.value,
+                        "usage": {"text_tokens": event.stats.text_ids, "frames": event.stats.frames,
+                                  "audio_seconds": round(self.meter.audio_s, 3)},
+                        "timing": {**timing, "stalls": event.stats.stalls}})
+                    self.last_response = self.response_id
+                    self.turn_open = False
+                    self.turn_closed.set()
+        except (WebSocketDisconnect, RuntimeError, asyncio.CancelledError):
+            pass

@@ -1,0 +1,79 @@
+"""Request and response bodies (OpenAI's shapes plus this model's extension fields)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
+
+from engine.limits import HARD_MAX_FRAMES
+from engine.sampling import MAX_REPETITION_WINDOW, MAX_SEED, MAX_TOP_K
+
+from .audio_formats import FORMATS, MAX_SPEED, MIN_SPEED
+
+ResponseFormat = Literal[FORMATS]  # type: ignore[valid-type]
+
+
+class VoiceRef(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    id: StrictStr = Field(min_length=1, max_length=128)
+
+
+class SamplingExtras(BaseModel):
+    """Generation settings beyond OpenAI's fields (all optional; defaults come from the bundle)."""
+
+    seed: StrictInt | None = Field(None, ge=0, lt=MAX_SEED)
+    temperature: float | None = Field(None, ge=0, le=100)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: StrictInt | None = Field(None, ge=0, le=MAX_TOP_K)
+    repetition_penalty: float | None = Field(None, gt=0, le=100)
+    repetition_window: StrictInt | None = Field(None, ge=1, le=MAX_REPETITION_WINDOW)
+    max_frames: StrictInt | None = Field(None, ge=1, le=HARD_MAX_FRAMES)
+    greedy: StrictBool | None = None
+
+
+class SpeechRequest(SamplingExtras):
+    """``POST /v1/audio/speech``. Unknown keys are accepted and ignored (clients pass extensions through
+    ``extra_body``)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: StrictStr = Field(min_length=1, max_length=256)
+    input: StrictStr
+    voice: StrictStr | VoiceRef = "default"
+    instructions: StrictStr | None = Field(None, max_length=4096)
+    response_format: ResponseFormat = "mp3"
+    speed: float = Field(1.0, ge=MIN_SPEED, le=MAX_SPEED)
+    stream_format: Literal["audio", "sse"] = "audio"
+    allow_special_tokens: StrictBool = False
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str
+    shutdown_date: None = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class VoiceObject(BaseModel):
+    object: Literal["audio.voice"] = "audio.voice"
+    id: str
+    name: str
+    created_at: int
+
+
+class VoiceList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[VoiceObject]
+
+
+class DeletedVoice(BaseModel):
+    id: str
+    object: Literal["audio.voice.deleted"] = "audio.voice.deleted"
+    deleted: bool = True

@@ -1,0 +1,96 @@
+"""The FastAPI application: routes, error handlers, request ids and logs, CORS, and the lifecycle
+(load and warm up in the background, drain on shutdown)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import secrets
+import time
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
+from starlette.concurrency import run_in_threadpool
+
+from engine.bundle import Bundle
+
+from . import errors
+from .metrics import Metrics
+from .routes import ops, speech, voices, web, ws
+from .service import TTSService
+from .settings import ServerSettings
+
+log = logging.getLogger("mossrt.app")
+
+
+class JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        entry = {"ts": round(record.created, 3), "level": record.levelname.lower(), "logger": record.name,
+                 "message": record.getMessage()}
+        for key in ("request_id", "method", "path", "status", "ms"):
+            if hasattr(record, key):
+                entry[key] = getattr(record, key)
+        if record.exc_info:
+            entry["exc"] = self.formatException(record.exc_info)
+        return json.dumps(entry)
+
+
+def configure_logging(settings: ServerSettings) -> None:
+    handler = logging.StreamHandler()
+    handler.setFormatter(JsonFormatter() if settings.log_format == "json"
+                         else logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger("mossrt")
+    root.handlers[:] = [handler]
+    root.setLevel(settings.log_level.upper())
+    root.propagate = False
+
+
+def create_app(settings: ServerSettings, bundle: Bundle) -> FastAPI:
+    """The service for an opened bundle; the model loads in the background once the app starts."""
+    service = TTSService(settings, bundle)
+    metrics = Metrics()
+    metrics.info.info({"bundle": str(bundle.dir), "bundle_id": bundle.identity, "device": bundle.device,
+                       "tts_dtype": bundle.info.tts.dtype if bundle.info.tts else "none",
+                       "demo": str(bundle.is_demo).lower()})
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        service.start()
+        yield
+        await run_in_threadpool(service.drain)
+
+    app = FastAPI(title="mossrt", description="Streaming text-to-speech for MOSS-TTS-Realtime on onnxruntime",
+                  version=_version(), lifespan=lifespan)
+    app.state.service = service
+    app.state.metrics = metrics
+    errors.install(app)
+    if settings.cors_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=settings.cors_origins, allow_methods=["*"],
+                           allow_headers=["*"], expose_headers=["X-Request-Id"])
+
+    @app.middleware("http")
+    async def request_context(request: Request, call_next):
+        request.state.started = time.monotonic()
+        request.state.request_id = request.headers.get("x-request-id") or "req_" + secrets.token_hex(8)
+        response = await call_next(request)
+        response.headers.setdefault("X-Request-Id", request.state.request_id)
+        if request.url.path not in ("/health", "/ready", "/metrics"):
+            log.info("%s %s -> %d", request.method, request.url.path, response.status_code,
+                     extra={"request_id": request.state.request_id, "method": request.method,
+                            "path": request.url.path, "status": response.status_code,
+                            "ms": round(1000 * (time.monotonic() - request.state.started), 1)})
+        return response
+
+    for module in (ops, speech, voices, ws, web):
+        app.include_router(module.router)
+    return app
+
+
+def _version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("mossrt")
+    except Exception:  # noqa: BLE001
+        return "0"

@@ -1,0 +1,190 @@
+"""The engine as the service sees it: one bundle, one model, one scheduler, the voice registry, readiness.
+
+Transports (HTTP, WebSocket, gRPC) only translate: they resolve a voice and settings here, open a
+stream handle, and map typed errors. Loading and warm-up run in the background so ``/health`` answers
+at once and ``/ready`` turns 200 when the first synthesis has run.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from engine.bundle import Bundle
+from engine.errors import InputError, OverloadError
+from engine.limits import Limits
+from engine.sampling import SamplingParams
+from engine.scheduler import Scheduler, StreamError, StreamHandle, TurnEnd
+from engine.tts import TTSModel
+from engine.voices import VoiceRecord, VoiceRegistry, resolve_voice
+
+from .errors import ApiError
+from .settings import ServerSettings
+
+log = logging.getLogger("mossrt.service")
+
+MODEL_ID = "moss-tts-realtime"
+MODEL_ALIASES = ("tts-1", "tts-1-hd", "gpt-4o-mini-tts")
+# OpenAI's built-in voice names: this model has one default timbre (no reference), which they all map to.
+OPENAI_VOICES = ("alloy", "ash", "ballad", "coral", "echo", "fable", "onyx", "nova", "sage", "shimmer", "verse",
+                 "marin", "cedar")
+DEFAULT_VOICE = "default"
+MAX_DEFAULT_SLOTS = 64
+
+
+def available_memory_bytes() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+@dataclass(frozen=True)
+class SamplingFields:
+    """The OpenAI-extension fields that tune generation (all optional)."""
+
+    seed: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    repetition_penalty: float | None = None
+    repetition_window: int | None = None
+    greedy: bool | None = None
+
+
+class TTSService:
+    def __init__(self, settings: ServerSettings, bundle: Bundle):
+        self.settings = settings
+        self.bundle = bundle
+        self.limits = Limits(max_text_chars=settings.max_input_chars, max_voice_seconds=settings.max_voice_seconds,
+                             max_context_rows=settings.max_context_rows)
+        self.model: TTSModel | None = None
+        self.scheduler: Scheduler | None = None
+        self.voices = VoiceRegistry(settings.voices_dir, bundle.identity)
+        self.state = "loading"          # loading -> ready -> draining; failed on a load error
+        self.error: str | None = None
+        self.created = int(time.time())
+        self._thread: threading.Thread | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> None:
+        """Load the model and warm it up on a background thread."""
+        self._thread = threading.Thread(target=self._load, name="mossrt-load", daemon=True)
+        self._thread.start()
+
+    def wait_ready(self, timeout: float) -> bool:
+        if self._thread is not None:
+            self._thread.join(timeout)
+        return self.state == "ready"
+
+    def _load(self) -> None:
+        try:
+            t0 = time.monotonic()
+            model = TTSModel(self.bundle)
+            slots = self.settings.max_streams or self._default_slots(model)
+            self.scheduler = Scheduler(model, slots=slots, limits=self.limits, queue_timeout=self.settings.queue_timeout)
+            self.model = model
+            self._warm_up()
+            self.state = "ready"
+            log.info("ready in %.1f s: %d stream slots of %d context rows (%.0f MiB each), device %s%s",
+                     time.monotonic() - t0, slots, self.limits.max_context_rows,
+                     self.scheduler.runner.bytes_per_stream() / 2**20, self.bundle.device,
+                     ", DEMO bundle (random weights: audio is noise)" if self.bundle.is_demo else "")
+        except Exception as e:  # noqa: BLE001 - reported by /ready and the log, the process stays up
+            log.exception("loading the bundle failed")
+            self.error = f"{type(e).__name__}: {e}"
+            self.state = "failed"
+
+    def _default_slots(self, model: TTSModel) -> int:
+        budget = self.settings.kv_budget_bytes or available_memory_bytes() // 2
+        slots = Scheduler.slots_for_budget(model, budget, self.limits.max_context_rows)
+        if slots < 1:
+            raise InputError(f"the KV budget ({budget / 2**20:.0f} MiB) holds no stream of "
+                             f"{self.limits.max_context_rows} rows: lower --max-context-rows or raise the budget")
+        return min(slots, MAX_DEFAULT_SLOTS)
+
+    def _warm_up(self) -> None:
+        """One short synthesis: creates every session's kernels and buffers before the first request."""
+        h = self.scheduler.open_stream(params=self.model.default_sampling(greedy=True), seed=0)
+        try:
+            h.begin_turn(max_frames=2, wait=60)
+            h.push_text("Hello.")
+            h.end_text()
+            while True:
+                event = h.get(timeout=600)
+                if isinstance(event, TurnEnd):
+                    break
+                if isinstance(event, StreamError):
+                    raise event.error
+        finally:
+            h.close()
+
+    def drain(self) -> None:
+        """SIGTERM: readiness off, no new streams, running turns get ``drain_timeout`` to finish."""
+        if self.state == "ready" and self.scheduler is not None:
+            self.state = "draining"
+            finished = self.scheduler.drain(self.settings.drain_timeout)
+            log.info("drained (%s)", "all turns finished" if finished else "timeout: remaining streams stopped")
+        self.state = "draining"
+        if self.scheduler is not None:
+            self.scheduler.stop()
+
+    def require_ready(self) -> None:
+        if self.state == "ready":
+            return
+        if self.state == "draining":
+            raise ApiError(503, "the server is shutting down", "server_error", None, "draining", {"Retry-After": "1"})
+        if self.state == "failed":
+            raise ApiError(503, f"the model failed to load: {self.error}", "server_error", None, "load_failed")
+        raise ApiError(503, "the model is loading", "server_error", None, "loading", {"Retry-After": "5"})
+
+    # ------------------------------------------------------------------ requests
+    def resolve_voice(self, voice, param: str = "voice") -> np.ndarray | None:
+        """The one place a request's voice becomes prompt codes: ``default`` / OpenAI names → none (the
+        model's own timbre), a registered voice's name or id, or ``{"id": ...}``."""
+        key = voice.get("id") if isinstance(voice, dict) else voice
+        if key is None or (isinstance(voice, str) and voice.lower() in (DEFAULT_VOICE, *OPENAI_VOICES)):
+            return None
+        if not isinstance(key, str):
+            raise ApiError(400, "voice must be a name or {\"id\": ...}", param=param, code="invalid_value")
+        rec = self.voices.find(key)
+        if rec is None:
+            raise ApiError(400, f"unknown voice {key!r}: use 'default', one of OpenAI's names, or a voice registered "
+                           "with POST /v1/audio/voices", param=param, code="voice_not_found")
+        try:
+            codes = self.voices.codes(rec)
+            return resolve_voice(self.model, self.limits, codes=codes)
+        except InputError as e:
+            raise ApiError(400, str(e), param=param, code="voice_unusable") from None
+
+    def sampling(self, fields: SamplingFields) -> SamplingParams:
+        try:
+            return self.model.default_sampling(temperature=fields.temperature, top_p=fields.top_p, top_k=fields.top_k,
+                                               repetition_penalty=fields.repetition_penalty,
+                                               repetition_window=fields.repetition_window,
+                                               greedy=fields.greedy or None)
+        except InputError as e:
+            raise ApiError(400, str(e), code="invalid_value") from None
+
+    def open_stream(self, voice_codes, params: SamplingParams, seed: int | None, sink,
+                    allow_special_tokens: bool = False) -> StreamHandle:
+        try:
+            return self.scheduler.open_stream(voice_codes=voice_codes, params=params, seed=seed, sink=sink,
+                                              allow_special_tokens=allow_special_tokens)
+        except OverloadError as e:
+            raise ApiError(503, str(e), "server_error", None, "draining", {"Retry-After": "1"}) from None
+
+    def register_voice(self, name: str, wav: np.ndarray, sample_rate: int) -> VoiceRecord:
+        """Encode a reference once with the codec and store its codes (blocking: call off the event loop)."""
+        VoiceRegistry.check_name(name)
+        codes = resolve_voice(self.model, self.limits, wav=(wav, sample_rate))
+        return self.voices.add(name, codes)

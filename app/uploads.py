@@ -1,0 +1,64 @@
+"""Audio uploads (voice samples, user audio) in any common format, decoded within the length limits.
+
+soundfile reads WAV/FLAC/Ogg/MP3 from their headers; other containers (WebM, MP4/M4A, AAC) go through
+PyAV, whose decoding stops as soon as the audio passes the limit, so a long upload costs nothing.
+"""
+
+from __future__ import annotations
+
+import io
+
+import av
+import numpy as np
+
+from engine.errors import InputError
+from engine.limits import Limits
+from engine.voices import read_reference_audio
+
+
+def decode_upload(data: bytes, limits: Limits, what: str = "audio_sample", user_audio: bool = False) \
+        -> tuple[np.ndarray, int]:
+    """Mono-or-multichannel float32 samples and their rate, after the limit checks."""
+    if not data:
+        raise InputError(f"{what} is empty")
+    try:
+        return read_reference_audio(data, limits, what, user_audio=user_audio)
+    except InputError as e:
+        if "not a readable audio file" not in str(e):
+            raise                      # readable, but too long / too short / wrong rate
+    return _decode_with_av(data, limits, what, user_audio)
+
+
+def _decode_with_av(data: bytes, limits: Limits, what: str, user_audio: bool) -> tuple[np.ndarray, int]:
+    limit = limits.max_user_audio_seconds if user_audio else limits.max_voice_seconds
+    try:
+        with av.open(io.BytesIO(data), mode="r") as container:
+            streams = container.streams.audio
+            if not streams:
+                raise InputError(f"{what}: the file holds no audio stream")
+            stream = streams[0]
+            rate = int(stream.codec_context.sample_rate or 0)
+            limits.check_sample_rate(rate, what)
+            if container.duration is not None:
+                limits.check_audio_seconds(container.duration / av.time_base, what, user_audio=user_audio)
+            parts, total = [], 0
+            for frame in container.decode(stream):
+                chunk = frame.to_ndarray()                     # [channels, samples] (planar) or [1, samples*ch]
+                if frame.format.is_planar:
+                    mono = chunk.astype(np.float32).mean(axis=0)
+                else:
+                    mono = chunk.reshape(-1, len(frame.layout.channels)).astype(np.float32).mean(axis=1)
+                if np.issubdtype(chunk.dtype, np.integer):
+                    mono /= float(np.iinfo(chunk.dtype).max) + 1.0
+                parts.append(mono)
+                total += mono.size
+                if total > (limit + 1) * rate:
+                    break                                      # over the limit: stop decoding now
+    except InputError:
+        raise
+    except Exception as e:  # PyAV raises its own error types for unreadable data
+        raise InputError(f"{what}: not a readable audio file ({str(e)[:200]})") from None
+    if not parts or total == 0:
+        raise InputError(f"{what}: the file holds no samples")
+    limits.check_audio_seconds(total / rate, what, user_audio=user_audio)
+    return np.concatenate(parts), rate
