@@ -33,10 +33,19 @@ class Metrics:
                               registry=r, buckets=(0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1, 2, 5))
         self.rtf = Histogram("mossrt_realtime_factor", "Generation seconds per second of audio, per turn",
                              registry=r, buckets=(0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1, 1.5, 2, 5, 10, 30))
+        self.prefix_hits = Gauge("mossrt_prefix_cache_hits", "Streams started from cached system-block KV "
+                                 "(cumulative)", registry=r)
+        self.prefix_entries = Gauge("mossrt_prefix_cache_entries", "System blocks (prompt, voices) in the KV cache",
+                                    registry=r)
+        self.prefix_bytes = Gauge("mossrt_prefix_cache_bytes", "Memory of the cached system-block KV", registry=r)
         self.ready = Gauge("mossrt_ready", "1 when the bundle is loaded and warmed up and not draining", registry=r)
         self.info = Info("mossrt_build", "Bundle and runtime", registry=r)
 
-    def render(self, scheduler_stats=None) -> bytes:
+    def render(self, scheduler_stats=None, prefix_stats=None) -> bytes:
+        if prefix_stats is not None:
+            self.prefix_hits.set(prefix_stats.hits)
+            self.prefix_entries.set(prefix_stats.entries)
+            self.prefix_bytes.set(prefix_stats.bytes)
         if scheduler_stats is not None:
             self.active.set(scheduler_stats.active)
             self.queued.set(scheduler_stats.queued)

@@ -18,6 +18,7 @@ import numpy as np
 from engine.bundle import Bundle
 from engine.errors import InputError, OverloadError
 from engine.limits import Limits
+from engine.prefix import prefix_key
 from engine.sampling import SamplingParams
 from engine.scheduler import Scheduler, StreamError, StreamHandle, TurnEnd
 from engine.tts import TTSModel
@@ -91,9 +92,10 @@ class TTSService:
             t0 = time.monotonic()
             model = TTSModel(self.bundle)
             slots = self.settings.max_streams or self._default_slots(model)
-            self.scheduler = Scheduler(model, slots=slots, limits=self.limits, queue_timeout=self.settings.queue_timeout)
+            self.scheduler = Scheduler(model, slots=slots, limits=self.limits, queue_timeout=self.settings.queue_timeout,
+                                       prefix_cache_bytes=self.settings.prefix_cache_bytes)
             self.model = model
-            self._warm_up()
+            self._warm_up()                     # also computes the default system prompt's prefix KV
             self.state = "ready"
             log.info("ready in %.1f s: %d stream slots of %d context rows (%.0f MiB each), device %s%s",
                      time.monotonic() - t0, slots, self.limits.max_context_rows,
@@ -105,8 +107,8 @@ class TTSService:
             self.state = "failed"
 
     def _default_slots(self, model: TTSModel) -> int:
-        budget = self.settings.kv_budget_bytes or available_memory_bytes() // 2
-        slots = Scheduler.slots_for_budget(model, budget, self.limits.max_context_rows)
+        budget = (self.settings.kv_budget_bytes or available_memory_bytes() // 2) - self.settings.prefix_cache_bytes
+        slots = Scheduler.slots_for_budget(model, max(budget, 0), self.limits.max_context_rows)
         if slots < 1:
             raise InputError(f"the KV budget ({budget / 2**20:.0f} MiB) holds no stream of "
                              f"{self.limits.max_context_rows} rows: lower --max-context-rows or raise the budget")
@@ -161,10 +163,11 @@ class TTSService:
             raise ApiError(400, f"unknown voice {key!r}: use 'default', one of OpenAI's names, or a voice registered "
                            "with POST /v1/audio/voices", param=param, code="voice_not_found")
         try:
-            codes = self.voices.codes(rec)
-            return resolve_voice(self.model, self.limits, codes=codes)
+            codes = resolve_voice(self.model, self.limits, codes=self.voices.codes(rec))
         except InputError as e:
             raise ApiError(400, str(e), param=param, code="voice_unusable") from None
+        self._load_prefix(rec, codes)
+        return codes
 
     def sampling(self, fields: SamplingFields) -> SamplingParams:
         try:
@@ -184,7 +187,24 @@ class TTSService:
             raise ApiError(503, str(e), "server_error", None, "draining", {"Retry-After": "1"}) from None
 
     def register_voice(self, name: str, wav: np.ndarray, sample_rate: int) -> VoiceRecord:
-        """Encode a reference once with the codec and store its codes (blocking: call off the event loop)."""
+        """Encode a reference once with the codec, store its codes, and compute the backbone KV of its
+        system block (cached, and kept beside the voice so a restart does not recompute it). Blocking:
+        call off the event loop."""
         VoiceRegistry.check_name(name)
         codes = resolve_voice(self.model, self.limits, wav=(wav, sample_rate))
-        return self.voices.add(name, codes)
+        rec = self.voices.add(name, codes)
+        kv = self.scheduler.warm_prefix(codes)
+        if kv is not None:
+            self.voices.save_prefix(rec, kv)
+        return rec
+
+    def _load_prefix(self, rec: VoiceRecord, codes: np.ndarray) -> None:
+        """A registered voice's persisted prefix KV into the cache (once per process)."""
+        cache = self.scheduler.prefix_cache
+        if cache is None:
+            return
+        key = prefix_key(self.model.prompt.system_block(codes))
+        if key not in cache:
+            kv = self.voices.load_prefix(rec)
+            if kv is not None:
+                cache.put(key, kv)

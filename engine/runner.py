@@ -6,13 +6,16 @@ streams (a stream holds one slot while attached). Each :meth:`StepRunner.tick`:
 1. asks every attached stream what it wants fed (``StreamState.want``);
 2. runs prefills as batch-1 backbone calls on the stream's own slot, in chunks of ``prefill_chunk_rows``
    at fixed offsets of the prefill (so results never depend on load), at most about
-   ``prefill_rows_per_tick`` rows per tick: running streams wait at most that long for a newcomer;
+   ``prefill_rows_per_tick`` rows per tick: running streams wait at most that long for a newcomer. A
+   stream's system block is a chunk of its own, so its KV can come from the prefix cache instead;
 3. runs one batched backbone step for every stream that feeds one row, binding the contiguous prefix of
    slots; streams in that prefix with nothing to feed ride along with a dummy row written past their
    valid rows (their cache is untouched);
 4. runs one batched depth call for every stream whose rows are complete (per-row sampling settings,
    draws and first-frame flags);
-5. runs one batched codec decode for every new playable frame (riders again untouched).
+5. decodes audio in one batched codec call: a turn's first frame at once, later frames in chunks that
+   grow along ``codec_schedule`` (fewer, larger calls), but never later than the stream's playback
+   needs them; frames are handed back, in order, once their audio exists.
 
 A failing call is retried stream by stream, so a stream whose state breaks a graph fails alone.
 Not thread-safe: one thread drives a runner (the scheduler's loop, or a session's caller).
@@ -26,14 +29,17 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .codec import MAX_FRAMES_PER_CALL
 from .errors import CapacityError, GraphError, InputError
-from .stream import Frame, StepRequest, StreamState
+from .prefix import PrefixCache, prefix_key
+from .stream import Frame, StepRequest, StreamState, TurnStats
 from .timing import CallTiming
 
 log = logging.getLogger("mossrt.runner")
 
 DEFAULT_PREFILL_CHUNK_ROWS = 64
 DEFAULT_PREFILL_ROWS_PER_TICK = 64
+SERVICE_CODEC_SCHEDULE = (1, 1, 2, 4, 6)   # frames per codec call along a turn (the last repeats)
 
 
 @dataclass
@@ -44,6 +50,7 @@ class RunnerTiming:
     codec: CallTiming = field(default_factory=CallTiming)
     ticks: int = 0
     tick_s: float = 0.0
+    prefix_rows_copied: int = 0
 
     @property
     def graph_run_s(self) -> float:
@@ -58,11 +65,16 @@ class _Entry:
     request: StepRequest | None = None
     fed: int = 0                       # rows of the request already fed (chunked prefill)
     codec_turn: int = -1               # the turn whose audio the codec ring holds
+    pending: list[Frame] = field(default_factory=list)   # accepted frames waiting for their audio
+    chunks: int = 0                    # codec calls of the current turn
+    play_start: float | None = None    # when the turn's first audio was handed back
+    audio_s: float = 0.0               # audio handed back in the turn
 
 
 @dataclass
 class TickResult:
     frames: list[tuple[StreamState, Frame]] = field(default_factory=list)
+    turn_ends: list[tuple[StreamState, int, TurnStats]] = field(default_factory=list)
     failed: list[tuple[StreamState, Exception]] = field(default_factory=list)
     worked: bool = False               # any graph ran
 
@@ -70,23 +82,28 @@ class TickResult:
 class StepRunner:
     def __init__(self, model, slots: int, max_context_rows: int,
                  prefill_chunk_rows: int = DEFAULT_PREFILL_CHUNK_ROWS,
-                 prefill_rows_per_tick: int = DEFAULT_PREFILL_ROWS_PER_TICK):
+                 prefill_rows_per_tick: int = DEFAULT_PREFILL_ROWS_PER_TICK,
+                 codec_schedule: tuple[int, ...] = (1,), prefix_cache: PrefixCache | None = None):
         for name, v in (("slots", slots), ("prefill_chunk_rows", prefill_chunk_rows),
                         ("prefill_rows_per_tick", prefill_rows_per_tick), ("max_context_rows", max_context_rows)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise InputError(f"{name} must be an integer >= 1, got {v!r}")
         self.model = model
+        self.codec_schedule = tuple(model.codec.check_chunk_sizes(codec_schedule))
         self.slots = slots
         self.max_context_rows = max_context_rows
         self.prefill_chunk_rows = prefill_chunk_rows
         self.prefill_rows_per_tick = prefill_rows_per_tick
+        self.prefix_cache = prefix_cache
         self.kv = model.kv_pool(slots, max_context_rows)
         self.decoder = model.codec.streaming_decoder(slots, model.layout.codebooks)
         self.timing = RunnerTiming(codec=self.decoder.timing)
         self._entries: list[_Entry] = []          # index = slot
         self._serial = 0
-        lay = model.layout
-        self._rider_row = model.prompt.text_rows([lay.text_pad_id])[0]
+        self._frame_s = model.codec.frame_seconds
+        self._tick_s = 0.0                          # running mean of a working tick's duration
+        self._codec_call_s = 0.0                    # running mean of a codec call's duration
+        self._rider_row = model.prompt.text_rows([model.layout.text_pad_id])[0]
 
     # ------------------------------------------------------------------ slots
     @property
@@ -133,8 +150,9 @@ class StepRunner:
     def slot_of(self, stream: StreamState) -> int:
         return self._entry(stream).slot
 
-    def context_rows(self, stream: StreamState) -> int:
-        return int(self.kv.lengths[self._entry(stream).slot])
+    def context_kv(self, stream: StreamState) -> np.ndarray:
+        """A copy of the stream's KV rows [layers, 2, kv_heads, rows, head_dim] (tests, diagnostics)."""
+        return self.kv.rows_of(self._entry(stream).slot)
 
     def _entry(self, stream: StreamState) -> _Entry:
         for e in self._entries:
@@ -163,26 +181,27 @@ class StepRunner:
             done += self._prefill(prefills, result)
         if decodes:
             done += self._step(decodes, result)
-        primed = [(e, h) for e, h in done if not e.request.sample]
-        for e, _ in primed:
-            e.stream.release(e.request)
-            e.request = None
+        for e, _ in done:
+            if not e.request.sample:            # context rows only (prime): no frame follows
+                e.stream.release(e.request)
+                e.request = None
         done = [(e, h) for e, h in done if e.request is not None]
         if done:
-            frames = self._depth(done, result)
-            if frames:
-                self._decode_audio(frames, result)
-                result.frames += [(e.stream, f) for e, f in frames]
+            for e, frame in self._depth(done, result):
+                e.pending.append(frame)
+        self._hand_back(result)
         if result.worked:
+            spent = time.perf_counter() - t0
             self.timing.ticks += 1
-            self.timing.tick_s += time.perf_counter() - t0
+            self.timing.tick_s += spent
+            self._tick_s = spent if not self._tick_s else 0.8 * self._tick_s + 0.2 * spent
         return result
 
     def has_work(self) -> bool:
-        """Whether a tick now would run a graph (a request in flight, or a stream that wants rows)."""
-        return any(e.request is not None for e in self._entries)
+        """Whether a tick now would run a graph or hand back frames."""
+        return any(e.request is not None or e.pending for e in self._entries)
 
-    # ------------------------------------------------------------------ phases
+    # ------------------------------------------------------------------ prefill, step, depth
     def _chunk_end(self, e: _Entry) -> int:
         """End of the next prefill chunk: chunks start at multiples of prefill_chunk_rows from the start
         of the request, except that the request's cacheable prefix (system block) ends a chunk too."""
@@ -192,10 +211,32 @@ class StepRunner:
             return min(prefix, (start // c + 1) * c)
         return min(n, start + c)
 
+    def _from_prefix_cache(self, e: _Entry) -> None:
+        """Start the slot with the cached KV of the request's system block, when there is one."""
+        req = e.request
+        if self.prefix_cache is None or not req.prefix_rows or e.fed or self.kv.lengths[e.slot]:
+            return
+        cached = self.prefix_cache.get(prefix_key(req.rows[: req.prefix_rows]))
+        if cached is not None:
+            self.kv.copy_rows(cached, e.slot)
+            e.stream.on_fed(req, req.rows[: req.prefix_rows])
+            e.fed = req.prefix_rows
+            self.timing.prefix_rows_copied += req.prefix_rows
+
+    def _to_prefix_cache(self, e: _Entry) -> None:
+        req = e.request
+        if self.prefix_cache is not None and req.prefix_rows and e.fed == req.prefix_rows \
+                and self.kv.lengths[e.slot] == req.prefix_rows:
+            key = prefix_key(req.rows[: req.prefix_rows])
+            if key not in self.prefix_cache:
+                self.prefix_cache.put(key, self.kv.rows_of(e.slot, req.prefix_rows))
+
     def _prefill(self, entries: list[_Entry], result: TickResult) -> list[tuple[_Entry, np.ndarray]]:
         done = []
         budget = self.prefill_rows_per_tick
         for e in entries:
+            if e.request is not None and not e.stream.aborted(e.request):
+                self._from_prefix_cache(e)
             while budget > 0 and e.request is not None and e.fed < len(e.request.rows):
                 if e.stream.aborted(e.request):
                     e.stream.release(e.request)
@@ -215,9 +256,12 @@ class StepRunner:
                 e.stream.on_fed(e.request, rows)
                 e.fed = end
                 budget -= len(rows)
+                self._to_prefix_cache(e)
                 if e.fed == len(e.request.rows):
                     done.append((e, hidden[0, -1]))
-        return done
+            if e.request is not None and e.fed == len(e.request.rows) and not any(d[0] is e for d in done):
+                done.append((e, None))      # rows all from the prefix cache: nothing left to compute
+        return [(e, h) for e, h in done if h is not None or not e.request.sample]
 
     def _step(self, entries: list[_Entry], result: TickResult) -> list[tuple[_Entry, np.ndarray]]:
         def run(group: list[_Entry]) -> list[tuple[_Entry, np.ndarray]]:
@@ -237,6 +281,7 @@ class StepRunner:
                 out.append((e, h))
             return out
 
+        result.worked = True
         return self._isolated(run, entries, result)
 
     def _depth(self, done: list[tuple[_Entry, np.ndarray]], result: TickResult) -> list[tuple[_Entry, Frame]]:
@@ -260,27 +305,76 @@ class StepRunner:
         result.worked = True
         return self._isolated(run, done, result, entry_of=lambda item: item[0])
 
-    def _decode_audio(self, frames: list[tuple[_Entry, Frame]], result: TickResult) -> None:
-        need = [(e, f) for e, f in frames if e.stream.needs_audio(f)]
+    # ------------------------------------------------------------------ audio and hand-back
+    def _due(self, e: _Entry, now: float) -> list[Frame]:
+        """The pending frames whose audio is decoded now: the head of the pending list up to the turn's
+        chunk size, all of it when the turn ended, or when waiting longer would starve the listener."""
+        turn = e.pending[0].turn
+        same = [f for f in e.pending if f.turn == turn]
+        audio = [f for f in same if e.stream.needs_audio(f)]
+        if not audio:
+            return []
+        ended = len(same) < len(e.pending) or e.stream.turn_serial != turn or e.stream.turn_done or e.stream.closed
+        target = self.codec_schedule[min(e.chunks, len(self.codec_schedule) - 1)]
+        if ended:
+            return audio[:MAX_FRAMES_PER_CALL]
+        if len(audio) >= target:
+            return audio[:target]
+        if e.play_start is not None:
+            ahead = e.play_start + e.audio_s - now      # audio the listener still has to play
+            if ahead <= 2 * (self._tick_s + self._codec_call_s):
+                return audio
+        return []
 
-        def run(group: list[tuple[_Entry, Frame]]) -> list:
-            lo, hi = 0, max(e.slot for e, _ in group) + 1
-            codes = np.zeros((hi, 1, self.model.codec.num_quantizers), np.int64)
+    def _hand_back(self, result: TickResult) -> None:
+        now = time.monotonic()
+        due = [(e, fs) for e in self._entries if e.pending for fs in [self._due(e, now)] if fs]
+        if due:
+            self._decode(due, result)
+        for e in self._entries:
+            while e.pending and (e.pending[0].audio is not None or not e.stream.needs_audio(e.pending[0])):
+                frame = e.pending.pop(0)
+                result.frames.append((e.stream, frame))
+            if not e.pending:
+                for turn, stats in e.stream.take_finished():
+                    result.turn_ends.append((e.stream, turn, stats))
+
+    def _decode(self, due: list[tuple[_Entry, list[Frame]]], result: TickResult) -> None:
+        def run(group: list[tuple[_Entry, list[Frame]]]) -> list:
+            hi = max(e.slot for e, _ in group) + 1
+            n = max(len(fs) for _, fs in group)
+            codes = np.zeros((hi, n, self.model.codec.num_quantizers), np.int64)
             count = np.zeros(hi, np.int64)
-            for e, f in group:
-                codes[e.slot, 0, : len(f.codes)] = f.codes
-                count[e.slot] = 1
+            for e, fs in group:
+                if e.codec_turn != fs[0].turn:
+                    self.decoder.reset(e.slot)   # each turn's audio is its own codec stream (as upstream)
+                    e.codec_turn, e.chunks, e.play_start, e.audio_s = fs[0].turn, 0, None, 0.0
+                for i, f in enumerate(fs):
+                    codes[e.slot, i, : len(f.codes)] = f.codes
+                count[e.slot] = len(fs)
+            t0 = time.perf_counter()
             audio = self.decoder.decode_checked(codes, count)
-            for e, f in group:
-                f.audio = audio[e.slot]
+            spent = time.perf_counter() - t0
+            self._codec_call_s = spent if not self._codec_call_s else 0.8 * self._codec_call_s + 0.2 * spent
+            now = time.monotonic()
+            spf = self.model.codec.samples_per_frame
+            for e, fs in group:
+                for i, f in enumerate(fs):
+                    f.audio = audio[e.slot, i * spf:(i + 1) * spf]
+                e.chunks += 1
+                e.play_start = now if e.play_start is None else e.play_start
+                e.audio_s += len(fs) * self._frame_s
             return group
 
-        if need:
-            for e, f in need:
-                if e.codec_turn != e.stream.turn_serial:
-                    self.decoder.reset(e.slot)   # each turn's audio is its own codec stream (as upstream)
-                    e.codec_turn = e.stream.turn_serial
-            self._isolated(run, need, result, entry_of=lambda item: item[0])
+        result.worked = True
+        failed_before = len(result.failed)
+        self._isolated(run, due, result, entry_of=lambda item: item[0])
+        for stream, _ in result.failed[failed_before:]:     # a stream whose audio failed: hand back what it has
+            for e in self._entries:
+                if e.stream is stream:
+                    for f in e.pending:
+                        if f.audio is None:
+                            f.audio = np.zeros(0, np.float32)
 
     # ------------------------------------------------------------------ failure isolation
     def _isolated(self, run, items: list, result: TickResult, entry_of=lambda item: item) -> list:

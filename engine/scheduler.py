@@ -22,9 +22,12 @@ import time
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
+
 from .errors import CapacityError, EngineError, InputError, OverloadError, StreamClosedError
 from .limits import Limits
-from .runner import DEFAULT_PREFILL_CHUNK_ROWS, DEFAULT_PREFILL_ROWS_PER_TICK, StepRunner
+from .prefix import PrefixCache, prefix_key
+from .runner import DEFAULT_PREFILL_CHUNK_ROWS, DEFAULT_PREFILL_ROWS_PER_TICK, SERVICE_CODEC_SCHEDULE, StepRunner
 from .sampling import SamplingParams
 from .stream import Frame, StreamState, TurnStats
 
@@ -150,9 +153,17 @@ class StreamHandle:
         return kept
 
     def prime(self, rows) -> None:
+        """Feed context rows between turns without generating (``StreamState.prime``)."""
         self._require_open()
         self._scheduler._reserve(self, None)
         self.stream.prime(rows)
+        self._scheduler._wake()
+
+    def prime_prefix(self, rows, wait: float | None = None) -> None:
+        """Feed a stream's system block (cached by the scheduler's prefix cache as it goes)."""
+        self._require_open()
+        self._scheduler._reserve(self, wait)
+        self.stream.prime(rows, prefix=True)
         self._scheduler._wake()
 
     def close(self) -> None:
@@ -218,11 +229,15 @@ class Scheduler:
                  prefill_chunk_rows: int = DEFAULT_PREFILL_CHUNK_ROWS,
                  prefill_rows_per_tick: int = DEFAULT_PREFILL_ROWS_PER_TICK,
                  queue_timeout: float = DEFAULT_QUEUE_TIMEOUT,
-                 max_buffered_frames: int = DEFAULT_MAX_BUFFERED_FRAMES):
+                 max_buffered_frames: int = DEFAULT_MAX_BUFFERED_FRAMES,
+                 codec_schedule: tuple[int, ...] = SERVICE_CODEC_SCHEDULE,
+                 prefix_cache_bytes: int = 0):
         self.model = model
         self.limits = limits or Limits()
+        self.prefix_cache = PrefixCache(prefix_cache_bytes) if prefix_cache_bytes else None
         self.runner = StepRunner(model, slots, self.limits.max_context_rows, prefill_chunk_rows=prefill_chunk_rows,
-                                 prefill_rows_per_tick=prefill_rows_per_tick)
+                                 prefill_rows_per_tick=prefill_rows_per_tick, codec_schedule=codec_schedule,
+                                 prefix_cache=self.prefix_cache)
         self.queue_timeout = queue_timeout
         self.max_buffered_frames = max_buffered_frames
         self._cond = threading.Condition()
@@ -267,6 +282,28 @@ class Scheduler:
         stream = StreamState(self.model, voice_codes=voice_codes, params=params, seed=seed, limits=limits,
                              decode_audio=decode_audio, allow_special_tokens=allow_special_tokens)
         return StreamHandle(self, stream, sink or QueueSink(), self.max_buffered_frames)
+
+    def warm_prefix(self, voice_codes=None, timeout: float = 600) -> np.ndarray | None:
+        """Compute (or find) the KV of the system block for ``voice_codes`` in the prefix cache and return it
+        ([layers, 2, kv_heads, rows, head_dim]), so streams with that voice skip those rows. None without a
+        cache or when the block alone exceeds the cache's budget."""
+        if self.prefix_cache is None:
+            return None
+        probe = StreamState(self.model, voice_codes=voice_codes, limits=self.limits)
+        rows = self.model.prompt.system_block(probe.voice_codes)
+        key = prefix_key(rows)
+        if key not in self.prefix_cache:
+            h = StreamHandle(self, probe, QueueSink(), self.max_buffered_frames)
+            try:
+                h.prime_prefix(rows, wait=timeout)
+                deadline = time.monotonic() + timeout
+                while probe.in_flight or probe.fed_rows < len(rows):
+                    if time.monotonic() > deadline:
+                        raise CapacityError("computing the voice's prefix timed out")
+                    time.sleep(0.005)
+            finally:
+                h.close()
+        return self.prefix_cache.get(key)
 
     def drain(self, timeout: float) -> bool:
         """Stop admitting streams and wait up to ``timeout`` s for every turn in progress to end.
@@ -386,9 +423,10 @@ class Scheduler:
                 if h is not None:
                     h.sink.put(FrameEvent(frame))
                     h._delivered()
-        for h in handles:
-            for turn, stats in h.stream.take_finished():
-                h.sink.put(TurnEnd(turn, stats))
+            for stream, turn, stats in result.turn_ends:
+                h = by_stream.get(id(stream))
+                if h is not None:
+                    h.sink.put(TurnEnd(turn, stats))
         return bool(result is not None and (result.worked or self.runner.has_work()))
 
     def _shutdown(self) -> None:

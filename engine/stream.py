@@ -148,6 +148,7 @@ class StreamState:
         self._serial = 0
         self._in_flight: StepRequest | None = None
         self._prime: np.ndarray | None = None
+        self._prime_prefix = False
         self._last_fed: StepRequest | None = None
         self._lock = threading.RLock()
         self.paused = False                     # a consumer that does not keep up holds the stream
@@ -280,9 +281,10 @@ class StreamState:
             self._finish(FinishReason.CANCELLED)
 
     @_locked
-    def prime(self, rows) -> None:
+    def prime(self, rows, prefix: bool = False) -> None:
         """Feed context rows ``[n, 17]`` without generating (between turns): the stream then continues as
-        if a conversation had produced exactly these rows (restoring a conversation; tests' references)."""
+        if a conversation had produced exactly these rows (restoring a conversation; tests' references).
+        ``prefix``: the rows are the stream's system block (fed in the cacheable chunks of a first turn)."""
         self._require_open()
         if self.state in (TurnState.WAITING, TurnState.RUNNING) or self._prime is not None:
             raise InputError("prime context rows between turns")
@@ -298,6 +300,7 @@ class StreamState:
             raise ContextLimitError(f"context limit: {len(arr)} more rows do not fit "
                                     f"({self.fed_rows} of {self.limits.max_context_rows} rows used)")
         self._prime = arr
+        self._prime_prefix = bool(prefix) and self.fed_rows == 0
 
     @_locked
     def truncate_turn(self, audio_frames: int) -> int:
@@ -346,7 +349,8 @@ class StreamState:
         if self._prime is not None:
             rows, self._prime = self._prime, None
             self._in_flight = StepRequest(rows=rows, first_frame=False, params=self.params, uniform=np.zeros(0),
-                                          history=np.zeros((0, 0), np.int64), turn=self._serial, sample=False)
+                                          history=np.zeros((0, 0), np.int64), turn=self._serial, sample=False,
+                                          prefix_rows=len(rows) if self._prime_prefix else 0)
             return self._in_flight
         if t is None or self.state not in (TurnState.WAITING, TurnState.RUNNING):
             return None

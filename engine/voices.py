@@ -167,6 +167,25 @@ class VoiceRegistry:
         except (OSError, ValueError) as e:
             raise InputError(f"voice {rec.name!r} is damaged on disk ({e}); register it again") from None
 
+    def _prefix_path(self, rec: VoiceRecord) -> Path:
+        return self.dir / rec.id / f"prefix-kv-{self.bundle_identity}.npy"
+
+    def save_prefix(self, rec: VoiceRecord, kv: np.ndarray) -> None:
+        """Keep the voice's system-block KV beside it (keyed by the bundle: another bundle never reads it)."""
+        path = self._prefix_path(rec)
+        tmp = path.with_suffix(".tmp.npy")
+        try:
+            np.save(tmp, kv)
+            os.replace(tmp, path)
+        except OSError:
+            tmp.unlink(missing_ok=True)   # a cache: failing to persist it only costs a recomputation
+
+    def load_prefix(self, rec: VoiceRecord) -> np.ndarray | None:
+        try:
+            return np.load(self._prefix_path(rec), allow_pickle=False)
+        except (OSError, ValueError):
+            return None
+
     def delete(self, key: str) -> VoiceRecord | None:
         rec = self.find(key)
         if rec is None:

@@ -214,13 +214,18 @@ def test_voices_round_trip_and_survive_a_restart(server, tmp_path, full_bundle_d
     ref = to_pcm16(synth_reference(tmp_path, full_bundle_dir, TEXT, "--voice", str(tmp_path / "ref.wav")))
     assert np.abs(pcm16(by_name.content) - ref).max() <= PCM_TOLERANCE
 
-    # a second server on the same voices directory knows the voice
+    # the voice's system-block KV was computed at registration and kept beside it
+    assert list((server.log_path.parent / "voices" / voice["id"]).glob("prefix-kv-*.npy"))
+    # a second server on the same voices directory knows the voice, and starts its streams from that KV
     other = Server(full_bundle_dir, server.log_path.parent / "voices", tmp_path / "s2.log").wait_ready()
     try:
         assert httpx.get(other.base + f"/v1/audio/voices/{voice['id']}").json()["name"] == "narrator"
         again = httpx.post(other.base + "/v1/audio/speech", timeout=120, json={
             "model": "x", "input": TEXT, "voice": "narrator", "response_format": "pcm", "greedy": True})
         assert again.content == by_name.content
+        hits = [line for line in httpx.get(other.base + "/metrics").text.splitlines()
+                if line.startswith("mossrt_prefix_cache_hits ")]
+        assert hits and float(hits[0].split()[1]) >= 1
         assert httpx.delete(other.base + f"/v1/audio/voices/{voice['id']}").json()["deleted"] is True
         assert httpx.get(other.base + f"/v1/audio/voices/{voice['id']}").status_code == 404
     finally:

@@ -39,8 +39,10 @@ async def metrics(request: Request):
     service: TTSService = request.app.state.service
     m = request.app.state.metrics
     m.ready.set(1 if service.state == "ready" else 0)
-    stats = service.scheduler.stats() if service.scheduler is not None else None
-    return Response(m.render(stats), media_type=CONTENT_TYPE_LATEST)
+    scheduler = service.scheduler
+    stats = scheduler.stats() if scheduler is not None else None
+    prefix = scheduler.prefix_cache.stats if scheduler is not None and scheduler.prefix_cache is not None else None
+    return Response(m.render(stats, prefix), media_type=CONTENT_TYPE_LATEST)
 
 
 def _cards(service: TTSService) -> list[ModelCard]:

@@ -1,0 +1,73 @@
+"""Backbone KV of system blocks, computed once and copied into each new stream's slot.
+
+Every stream's first turn starts with the same system prompt, and every stream with a given voice with
+the same voice-clone rows (hundreds of them). The runner prefills a stream's system block as chunks of
+their own (fixed boundaries), so the KV those chunks write does not depend on what follows: copying it
+from here gives bitwise the rows a full prefill writes. Entries are keyed by the rows' content (the
+voice's codes are in the rows), held in an LRU bounded in bytes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import numpy as np
+
+
+def prefix_key(rows: np.ndarray) -> str:
+    """Content key of a block of grid rows ``[n, 17]``."""
+    arr = np.ascontiguousarray(rows, dtype=np.int64)
+    return hashlib.sha256(arr.tobytes() + str(arr.shape).encode()).hexdigest()[:32]
+
+
+@dataclass
+class PrefixStats:
+    hits: int = 0
+    misses: int = 0
+    entries: int = 0
+    bytes: int = 0
+
+
+class PrefixCache:
+    """LRU of KV rows ``[layers, 2, kv_heads, n, head_dim]`` by content key; thread-safe."""
+
+    def __init__(self, budget_bytes: int):
+        if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes < 0:
+            raise ValueError(f"prefix cache budget must be an integer >= 0 bytes, got {budget_bytes!r}")
+        self.budget_bytes = budget_bytes
+        self._entries: OrderedDict[str, np.ndarray] = OrderedDict()
+        self._lock = threading.Lock()
+        self.stats = PrefixStats()
+
+    def get(self, key: str) -> np.ndarray | None:
+        with self._lock:
+            kv = self._entries.get(key)
+            if kv is None:
+                self.stats.misses += 1
+                return None
+            self._entries.move_to_end(key)
+            self.stats.hits += 1
+            return kv
+
+    def __contains__(self, key: str) -> bool:
+        with self._lock:
+            return key in self._entries
+
+    def put(self, key: str, kv: np.ndarray) -> bool:
+        """Keep ``kv`` (evicting the least recently used beyond the budget); False if it alone exceeds it."""
+        if kv.nbytes > self.budget_bytes:
+            return False
+        with self._lock:
+            if key in self._entries:
+                self._entries.move_to_end(key)
+                return True
+            self._entries[key] = kv
+            self.stats.bytes += kv.nbytes
+            while self.stats.bytes > self.budget_bytes:
+                _, old = self._entries.popitem(last=False)
+                self.stats.bytes -= old.nbytes
+            self.stats.entries = len(self._entries)
+            return True

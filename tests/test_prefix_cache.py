@@ -1,0 +1,133 @@
+"""The prefix KV cache: streams that start from cached system-block rows produce exactly (bitwise) the KV,
+codes and audio of streams that prefill everything, with other streams running beside them."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from conftest import golden, tolerance
+
+TEXT = ("Welcome to the world of MOSS TTS Realtime. Experience how text transforms into smooth, "
+        "human-like speech in real time, one small step after another.")
+
+
+def run_all(model, cache_bytes: int):
+    """Six streams at once (text-only, voice-clone, multi-turn with user context), greedy; returns per
+    stream (codes per turn, context rows, KV rows) and the scheduler."""
+    from engine.scheduler import FrameEvent, Scheduler, StreamError, TurnEnd
+
+    mt = golden("tts/tts_multiturn.npz")
+    voice = mt["voice_prompt_codes"].T
+    ids = model.tokenizer.encode(TEXT)
+    plans = [
+        (None, [dict(ids=ids)]),
+        (None, [dict(ids=ids[:20])]),
+        (voice, [dict(ids=ids)]),
+        (voice, [dict(ids=ids[5:], user_text="Tell me about it.")]),
+        (voice, [dict(ids=list(mt["turn1_streamed_text_ids"]), user_text="Hey, I just landed in Paris.",
+                      user_audio_codes=mt["turn1_user_audio_codes"].T),
+                 dict(ids=list(mt["turn2_streamed_text_ids"]), user_text="Just a backpack.",
+                      user_audio_codes=mt["turn2_user_audio_codes"].T)]),
+        (voice[:10], [dict(ids=ids)]),
+    ]
+    scheduler = Scheduler(model, slots=len(plans), prefix_cache_bytes=cache_bytes)
+    handles = [scheduler.open_stream(voice_codes=v, params=model.default_sampling(greedy=True), seed=0)
+               for v, _ in plans]
+    out = [[] for _ in plans]
+    errors = []
+
+    def drive(i):
+        try:
+            h = handles[i]
+            for turn in plans[i][1]:
+                h.begin_turn(user_text=turn.get("user_text", ""), user_audio_codes=turn.get("user_audio_codes"),
+                             wait=60)
+                for k in range(0, len(turn["ids"]), 4):
+                    h.push_token_ids(turn["ids"][k:k + 4])
+                h.end_text()
+                frames = []
+                while True:
+                    event = h.get(timeout=120)
+                    if isinstance(event, FrameEvent):
+                        frames.append(event.frame)
+                    elif isinstance(event, StreamError):
+                        raise event.error
+                    elif isinstance(event, TurnEnd):
+                        break
+                out[i].append(frames)
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=drive, args=(i,)) for i in range(len(plans))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    scheduler.stop()                  # the loop has ended: the KV slots can be read safely
+    assert not errors, errors
+    results = [(out[i], h.stream.context_ids(), scheduler.runner.context_kv(h.stream)) for i, h in enumerate(handles)]
+    return results, scheduler
+
+
+def plain_prefill_rows(ctx: np.ndarray) -> int:
+    """Rows of the first turn's prefill: up to the audio BOS (column 1 == 1025) that ends it."""
+    return int(np.flatnonzero(ctx[:, 1] == 1025)[0]) + 1
+
+
+def test_prefix_cache_is_bitwise_exact_under_load(model):
+    plain, s0 = run_all(model, 0)
+    cached, s1 = run_all(model, 64 * 2**20)
+    assert s0.prefix_cache is None
+    stats = s1.prefix_cache.stats
+    assert stats.hits >= 2 and stats.entries >= 2 and s1.runner.timing.prefix_rows_copied > 0
+    assert s1.runner.timing.prefill.calls < s0.runner.timing.prefill.calls     # fewer rows computed
+    for (frames_a, ctx_a, kv_a), (frames_b, ctx_b, kv_b) in zip(plain, cached):
+        assert len(frames_a) == len(frames_b)
+        for fa, fb in zip(frames_a, frames_b):
+            np.testing.assert_array_equal(np.stack([f.codes for f in fa]), np.stack([f.codes for f in fb]))
+            audio_a = np.concatenate([f.audio for f in fa if f.audio is not None])
+            audio_b = np.concatenate([f.audio for f in fb if f.audio is not None])
+            assert np.abs(audio_a - audio_b).max() <= tolerance(audio_a)   # codec batches differ run to run
+        np.testing.assert_array_equal(ctx_a, ctx_b)
+        # every layer's K and V, i.e. the hidden states: the prefill (batch-1 calls at fixed chunk boundaries,
+        # cached or computed) bitwise; later step rows were batched with whoever was running (round-off only)
+        n = plain_prefill_rows(ctx_a)
+        np.testing.assert_array_equal(kv_a[:, :, :, :n], kv_b[:, :, :, :n])
+        assert np.abs(kv_a - kv_b).max() <= tolerance(kv_a)
+
+
+def test_warm_prefix_equals_a_prefill(model):
+    from engine.scheduler import Scheduler
+    from engine.session import StreamingSession
+
+    voice = golden("tts/tts_multiturn.npz")["voice_prompt_codes"].T
+    scheduler = Scheduler(model, slots=1, prefix_cache_bytes=16 * 2**20)
+    try:
+        kv = scheduler.warm_prefix(voice)
+        assert scheduler.prefix_cache.stats.entries == 1
+        assert scheduler.warm_prefix(voice) is not None and scheduler.prefix_cache.stats.entries == 1
+    finally:
+        scheduler.stop()
+    s = StreamingSession(model, voice_codes=voice, params=model.default_sampling(greedy=True))
+    s.begin_turn()
+    s.push_token_ids(model.tokenizer.encode(TEXT))
+    rows = len(model.prompt.system_block(model.prompt.check_codes(voice)))
+    assert kv.shape[3] == rows
+    np.testing.assert_array_equal(kv, s.runner.context_kv(s.stream)[:, :, :, :rows])
+
+
+def test_cache_is_bounded_lru():
+    from engine.prefix import PrefixCache
+
+    cache = PrefixCache(1000)
+    a, b, c = (np.zeros(100, np.float32) for _ in range(3))          # 400 bytes each
+    assert cache.put("a", a) and cache.put("b", b)
+    assert cache.get("a") is a                                         # a is now the most recent
+    cache.put("c", c)                                                  # evicts b
+    assert "b" not in cache and "a" in cache and "c" in cache and cache.stats.bytes == 800
+    assert not cache.put("huge", np.zeros(1000, np.float32))          # larger than the budget: not kept
+    with pytest.raises(ValueError):
+        PrefixCache(-1)
