@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import re
 import statistics
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -230,3 +232,162 @@ def format_streams_report(r: dict) -> str:
                      f"   {x['kv_bytes_in_use'] / 2**20:8.1f} MiB")
     lines.append(f"  peak RSS {r['peak_rss_bytes'] / 2**30:.2f} GiB")
     return "\n".join(lines)
+
+
+def profile_summary(files, top: int = 15) -> str:
+    """Top ops of onnxruntime profiles by time: per op type and per module (node names carry the module
+    path, e.g. ``language_model.layers.3.self_attn/MatMulNBits_120``)."""
+    import collections
+    import json
+
+    by_op, by_module, total = collections.Counter(), collections.Counter(), 0.0
+    for path in files:
+        for event in json.loads(Path(path).read_text()):
+            if event.get("cat") != "Node" or not event.get("name", "").endswith("_kernel_time"):
+                continue
+            dur = event["dur"] / 1000.0
+            total += dur
+            by_op[event["args"].get("op_name", "?")] += dur
+            parts = []
+            for part in event["name"][: -len("_kernel_time")].split("/"):
+                if re.fullmatch(r"[A-Za-z0-9]+_\d+", part):     # the node itself (Op_N): the scope ends here
+                    break
+                parts.append(".".join(p for p in part.split(".") if not p.isdigit()))
+            module = "/".join(parts) or "(graph)"
+            by_module[module] += dur
+    lines = [f"onnxruntime profile: {total:.1f} ms of kernel time in {len(files)} sessions"]
+    for title, counter in (("op type", by_op), ("module", by_module)):
+        lines.append(f"  top {title}s:")
+        for name, ms in counter.most_common(top):
+            lines.append(f"    {name:<48} {ms:10.1f} ms  {100 * ms / total if total else 0:5.1f}%")
+    return "\n".join(lines)
+
+
+# Upstream PyTorch fp32 on this machine kind (../shared/spec/baseline_cpu.md, medians): the fixed reference
+# `bench compare` quotes its ratios against.
+BASELINE_CPU = {
+    "prefill_ms_per_row": 36.4, "backbone_step_ms": 350.0, "depth_ms": 809.0, "tts_frame_ms": 1165.0,
+    "codec_ms_per_frame": {1: 396.0, 3: 293.0, 6: 169.0}, "time_to_first_audio_ms": 6700.0,
+    "peak_rss_gib": 9.21 + 7.34,
+}
+
+
+def _ttfa(scheduler, model, ids, voice=None, user_text: str = "", handle=None) -> tuple[float, object]:
+    """Milliseconds from a turn's first text to its first audio through the scheduler (12 ids, as an LLM
+    would have streamed them by then)."""
+    from .scheduler import FrameEvent, StreamError, TurnEnd
+
+    h = handle or scheduler.open_stream(voice_codes=voice, params=model.default_sampling(), seed=0)
+    t0 = time.perf_counter()
+    h.begin_turn(user_text=user_text, max_frames=6, wait=600)
+    h.push_token_ids(ids[: model.layout.text_lead])
+    first = None
+    while True:
+        event = h.get(timeout=600)
+        if isinstance(event, FrameEvent) and event.frame.audio is not None and first is None:
+            first = time.perf_counter() - t0
+            h.push_token_ids(ids[model.layout.text_lead: model.layout.text_lead + 8])
+            h.end_text()
+        elif isinstance(event, StreamError):
+            raise event.error
+        elif isinstance(event, TurnEnd):
+            return 1000 * first, h
+
+
+def bench_compare(model, frames: int = 8, streams: int = 8, voice_seconds: float = 10.0, repeats: int = 3) -> dict:
+    """Per-stage ms, time to first audio (text only, registered voice, second turn), frames/s at 1 and
+    ``streams`` streams, memory; each with its ratio to the upstream PyTorch CPU baseline."""
+    from .scheduler import Scheduler
+
+    synth = bench_synth(model, frames=frames, repeats=repeats)
+    codec = bench_codec(model.codec, frames=12, repeats=repeats, chunk_sizes=(1, 3, 6))
+    ids = model.tokenizer.encode(BENCH_TEXT)
+    rng = np.random.default_rng(0)
+    voice_wav = (rng.standard_normal(int(voice_seconds * model.codec.sample_rate)) * 0.1).astype(np.float32)
+    voice = model.codec.encode(voice_wav, model.codec.sample_rate)[:, : model.layout.codebooks]
+    prefix_bytes = 4 * model.kv_bytes_per_slot(len(model.prompt.system_block(voice)))
+    ttfa: dict[str, list[float]] = {"cold (no prefix cache)": [], "text only": [], "registered voice": [],
+                                    "second turn": []}
+    scheduler = Scheduler(model, slots=2, prefix_cache_bytes=prefix_bytes)
+    plain = Scheduler(model, slots=1)
+    try:
+        scheduler.warm_prefix(None)
+        scheduler.warm_prefix(voice)
+        _ttfa(scheduler, model, ids)[1].close()               # warm-up: first-run allocations
+        for _ in range(repeats):
+            ms, h = _ttfa(plain, model, ids)
+            h.close()
+            ttfa["cold (no prefix cache)"].append(ms)
+            ms, h = _ttfa(scheduler, model, ids)
+            ttfa["text only"].append(ms)
+            ttfa["second turn"].append(_ttfa(scheduler, model, ids, user_text="And then?", handle=h)[0])
+            h.close()
+            ms, h = _ttfa(scheduler, model, ids, voice=voice)
+            h.close()
+            ttfa["registered voice"].append(ms)
+        prefix_stats = scheduler.prefix_cache.stats
+    finally:
+        scheduler.stop()
+        plain.stop()
+    runs = bench_streams(model, streams=(1, streams), frames=max(frames, 8))["runs"]
+    frame_ms = synth["frame_ms"]
+    steady = synth["backbone_step_ms"] + synth["depth_ms"] + codec["streaming"][6]["ms_per_frame"]
+    return {
+        "device": model.bundle.device, "tts_dtype": model.bundle.info.tts.dtype,
+        "codec_dtype": model.bundle.info.codec.dtype,
+        "stages_ms": {"prefill_per_row": synth["prefill_ms_per_row"], "backbone_step": synth["backbone_step_ms"],
+                      "depth": synth["depth_ms"], "tts_frame": frame_ms,
+                      **{f"codec_{n}_per_frame": s["ms_per_frame"] for n, s in codec["streaming"].items()},
+                      "steady_frame_codec6": steady},
+        "host_share": synth["host_share"],
+        "time_to_first_audio_ms": {k: statistics.median(v) for k, v in ttfa.items()},
+        "frames_per_s": {r["streams"]: r["frames_per_s"] for r in runs},
+        "peak_rss_bytes": peak_rss_bytes(),
+        "kv_bytes_per_row": model.kv_bytes_per_slot(1) // 2,
+        "kv_bytes_per_stream": {"4096 rows": model.kv_bytes_per_slot(4096) + model.codec.decoder_bytes_per_stream()},
+        "prefix_kv_bytes": {"system prompt": len(model.prompt.system_block(None)) * (model.kv_bytes_per_slot(1) // 2),
+                            f"system prompt + {voice_seconds:g} s voice":
+                                len(model.prompt.system_block(voice)) * (model.kv_bytes_per_slot(1) // 2)},
+        "prefix_cache": {"hits": prefix_stats.hits, "entries": prefix_stats.entries},
+        "baseline": BASELINE_CPU,
+    }
+
+
+def format_compare_report(r: dict) -> str:
+    b = r["baseline"]
+    ratio = lambda ours, base: f"{ours / base:6.3f}x" if base else ""
+    st = r["stages_ms"]
+    rows = [("prefill per row", st["prefill_per_row"], b["prefill_ms_per_row"]),
+            ("backbone step", st["backbone_step"], b["backbone_step_ms"]),
+            ("depth (16 codes)", st["depth"], b["depth_ms"]),
+            ("TTS frame", st["tts_frame"], b["tts_frame_ms"])]
+    rows += [(f"codec, {n} frame(s)/call, per frame", st[f"codec_{n}_per_frame"], b["codec_ms_per_frame"][n])
+             for n in (1, 3, 6)]
+    lines = [f"bench compare: device {r['device']}, tts {r['tts_dtype']}, codec {r['codec_dtype']}; "
+             "ratio = ours / upstream PyTorch fp32 on this machine kind (lower is better)",
+             f"  {'stage':<36} {'ms':>10} {'baseline':>10} {'ratio':>8}"]
+    lines += [f"  {name:<36} {ours:10.2f} {base:10.1f} {ratio(ours, base):>8}" for name, ours, base in rows]
+    lines.append(f"  {'steady frame (step+depth+codec@6)':<36} {st['steady_frame_codec6']:10.2f}")
+    lines.append(f"  host time outside onnxruntime runs: {100 * r['host_share']:.1f}% of the frame loop")
+    lines.append(f"  {'time to first audio':<36} {'ms':>10} {'baseline':>10} {'ratio':>8}")
+    for name, ms in r["time_to_first_audio_ms"].items():
+        lines.append(f"    {name:<34} {ms:10.1f} {b['time_to_first_audio_ms']:10.1f} "
+                     f"{ratio(ms, b['time_to_first_audio_ms']):>8}")
+    fps = r["frames_per_s"]
+    one, many = min(fps), max(fps)
+    lines.append(f"  frames/s: 1 stream {fps[one]:.2f}, {many} streams {fps[many]:.2f} (x{fps[many] / fps[one]:.2f}); "
+                 f"baseline 1 stream {1000 / b['tts_frame_ms']:.2f}")
+    lines.append(f"  peak RSS {r['peak_rss_bytes'] / 2**30:.2f} GiB (baseline TTS + codec processes "
+                 f"{b['peak_rss_gib']:.2f} GiB)")
+    lines.append(f"  KV: {_size(r['kv_bytes_per_row'])} per context row; a stream of 4096 rows with its codec rings "
+                 f"{_size(r['kv_bytes_per_stream']['4096 rows'])}")
+    for name, n in r["prefix_kv_bytes"].items():
+        lines.append(f"  cached prefix KV, {name}: {_size(n)}")
+    return "\n".join(lines)
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024

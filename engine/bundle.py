@@ -54,8 +54,10 @@ class Bundle:
     :meth:`verify` checks every sha256 (reads every byte).
     """
 
-    def __init__(self, directory: str | Path, device: str = "auto", threads: int | None = None):
+    def __init__(self, directory: str | Path, device: str = "auto", threads: int | None = None,
+                 profile_dir: str | Path | None = None):
         self.dir = Path(directory)
+        self.profile_dir = Path(profile_dir) if profile_dir is not None else None
         path = self.dir / "manifest.json"
         if not path.is_file():
             raise BundleError(f"{self.dir}: not a bundle (no manifest.json); create one with 'mossrt export'")
@@ -116,6 +118,9 @@ class Bundle:
                 if self.threads:
                     opts.intra_op_num_threads = self.threads
                 opts.log_severity_level = 3
+                if self.profile_dir is not None:
+                    opts.enable_profiling = True
+                    opts.profile_file_prefix = str(self.profile_dir / name)
                 path = self.dir / self.info.graphs[name].file
                 try:
                     self._sessions[name] = ort.InferenceSession(str(path), opts, providers=self.providers)
@@ -123,6 +128,11 @@ class Bundle:
                     raise BundleError(f"{path}: the graph does not load ({type(e).__name__}: "
                                       f"{str(e).splitlines()[0][:300]}); run 'mossrt verify' or re-export") from None
             return self._sessions[name]
+
+    def end_profiling(self) -> list[Path]:
+        """With ``profile_dir``: write each session's onnxruntime profile (JSON); returns the files."""
+        with self._lock:
+            return [Path(s.end_profiling()) for s in self._sessions.values() if self.profile_dir is not None]
 
     def verify(self) -> list[str]:
         """Check the sha256 of every file the manifest lists; raises BundleError naming the first mismatch.

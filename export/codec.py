@@ -194,23 +194,24 @@ def _stage(gb: GraphBuilder, ckpt: Checkpoint, x: str, spec: StageSpec, frame_po
     presents = []
     for layer in range(spec.layers):
         lp = f"{p}.transformer.layers.{layer}"
-        h = gb.layer_norm(x, ckpt.get(f"{lp}.norm1.weight"), ckpt.get(f"{lp}.norm1.bias"), f"{lp}.norm1", 1e-5)
-        qkv = gb.linear(h, ckpt.get(f"{lp}.self_attn.in_projs.0.weight"), f"{lp}.self_attn.in_proj")
-        qkv = gb.transpose(gb.reshape(qkv, [0, 0, 3, H, Dh]), [2, 0, 3, 1, 4])   # [3, B, H, T, Dh]
-        q, k, v = (gb.squeeze(t, [0]) for t in gb.op("Split", [qkv, gb.const([1, 1, 1], np.int64)], n_out=3, axis=0))
-        q, k = _rope_interleaved(gb, q, cos, sin), _rope_interleaved(gb, k, cos, sin)
-        pk, pv = past_names(side, index, layer)
-        gb.input(pk, FLOAT, ["batch", H, spec.past_rows, Dh])
-        gb.input(pv, FLOAT, ["batch", H, spec.past_rows, Dh])
-        att = gb.attention(q, gb.concat([pk, k], 2), gb.concat([pv, v], 2), bias, 1.0 / math.sqrt(Dh))
-        att = gb.reshape(gb.transpose(att, [0, 2, 1, 3]), [0, 0, H * Dh])
-        att = gb.linear(att, ckpt.get(f"{lp}.self_attn.out_projs.0.weight"), f"{lp}.self_attn.out_proj")
-        x = gb.op("Add", [x, gb.op("Mul", [att, gb.weight(f"{lp}.layer_scale_1.scale", ckpt.get(f"{lp}.layer_scale_1.scale"))])])
-        h = gb.layer_norm(x, ckpt.get(f"{lp}.norm2.weight"), ckpt.get(f"{lp}.norm2.bias"), f"{lp}.norm2", 1e-5)
-        h = gb.linear(gb.gelu_erf(gb.linear(h, ckpt.get(f"{lp}.linear1.weight"), f"{lp}.linear1")),
-                      ckpt.get(f"{lp}.linear2.weight"), f"{lp}.linear2")
-        x = gb.op("Add", [x, gb.op("Mul", [h, gb.weight(f"{lp}.layer_scale_2.scale", ckpt.get(f"{lp}.layer_scale_2.scale"))])])
-        presents.append(gb.unsqueeze(gb.concat([gb.unsqueeze(k, [0]), gb.unsqueeze(v, [0])], 0), [0]))
+        with gb.scope(lp):
+            h = gb.layer_norm(x, ckpt.get(f"{lp}.norm1.weight"), ckpt.get(f"{lp}.norm1.bias"), f"{lp}.norm1", 1e-5)
+            qkv = gb.linear(h, ckpt.get(f"{lp}.self_attn.in_projs.0.weight"), f"{lp}.self_attn.in_proj")
+            qkv = gb.transpose(gb.reshape(qkv, [0, 0, 3, H, Dh]), [2, 0, 3, 1, 4])   # [3, B, H, T, Dh]
+            q, k, v = (gb.squeeze(t, [0]) for t in gb.op("Split", [qkv, gb.const([1, 1, 1], np.int64)], n_out=3, axis=0))
+            q, k = _rope_interleaved(gb, q, cos, sin), _rope_interleaved(gb, k, cos, sin)
+            pk, pv = past_names(side, index, layer)
+            gb.input(pk, FLOAT, ["batch", H, spec.past_rows, Dh])
+            gb.input(pv, FLOAT, ["batch", H, spec.past_rows, Dh])
+            att = gb.attention(q, gb.concat([pk, k], 2), gb.concat([pv, v], 2), bias, 1.0 / math.sqrt(Dh))
+            att = gb.reshape(gb.transpose(att, [0, 2, 1, 3]), [0, 0, H * Dh])
+            att = gb.linear(att, ckpt.get(f"{lp}.self_attn.out_projs.0.weight"), f"{lp}.self_attn.out_proj")
+            x = gb.op("Add", [x, gb.op("Mul", [att, gb.weight(f"{lp}.layer_scale_1.scale", ckpt.get(f"{lp}.layer_scale_1.scale"))])])
+            h = gb.layer_norm(x, ckpt.get(f"{lp}.norm2.weight"), ckpt.get(f"{lp}.norm2.bias"), f"{lp}.norm2", 1e-5)
+            h = gb.linear(gb.gelu_erf(gb.linear(h, ckpt.get(f"{lp}.linear1.weight"), f"{lp}.linear1")),
+                          ckpt.get(f"{lp}.linear2.weight"), f"{lp}.linear2")
+            x = gb.op("Add", [x, gb.op("Mul", [h, gb.weight(f"{lp}.layer_scale_2.scale", ckpt.get(f"{lp}.layer_scale_2.scale"))])])
+            presents.append(gb.unsqueeze(gb.concat([gb.unsqueeze(k, [0]), gb.unsqueeze(v, [0])], 0), [0]))
     if f"{p}.output_proj.weight" in ckpt:
         x = gb.linear(x, ckpt.get(f"{p}.output_proj.weight"), f"{p}.output_proj")
     elif spec.output_dim != D:

@@ -153,7 +153,7 @@ class GraphBuilder:
 
     def fresh(self, hint: str) -> str:
         self._counter += 1
-        prefix = f"{self._scope[-1]}/" if self._scope else ""
+        prefix = "/".join(self._scope) + "/" if self._scope else ""
         return f"{prefix}{hint}_{self._counter}"
 
     def input(self, name: str, dtype: int, shape: Sequence[Dim]) -> str:

@@ -461,29 +461,32 @@ def build_depth(ckpt: Checkpoint, cfg: TTSConfig, path: Path, weight_dtype, matm
     values: list[list[str]] = [[] for _ in layers]
     codes, all_logits = [], []
     for p in range(N):
-        ang = np.float32(p) * inv
-        emb = np.concatenate([ang, ang]).reshape(1, 1, 1, -1)
-        cos, sin = gb.const(np.cos(emb)), gb.const(np.sin(emb))
-        h = x
-        for li, layer in enumerate(layers):
-            q, k, v = layer.qkv(gb, h, cos, sin)
-            keys[li].append(k)
-            values[li].append(v)
-            kk = keys[li][0] if p == 0 else gb.concat(keys[li], 2)
-            vv = values[li][0] if p == 0 else gb.concat(values[li], 2)
-            h = layer.finish(gb, h, q, kk, vv, None)
-        h = gb.rms_norm_named(h, final_norm, s.rms_eps)
-        logits = gb.unsqueeze(gb.matmul(gb.squeeze(h, [1]), heads[p]), [1])            # [B, 1, V]
-        all_logits.append(logits)
-        hist = gb.op("Gather", [history, gb.const([p], np.int64)], axis=2)              # [B, W, 1]
-        penalized, _, probs = sampling_filter(gb, logits, hist, penalty, temperature, top_k, top_p, vocab=V)
-        argmax = gb.op("ArgMax", [gb.squeeze(penalized, [1])], axis=1, keepdims=0)      # [B]
-        drawn = _draw(gb, gb.squeeze(probs, [1]), gb.op("Gather", [uniform, gb.const(p, np.int64)], axis=1), V)
-        code = gb.op("Where", [greedy, argmax, drawn])                                   # [B]
-        codes.append(gb.unsqueeze(code, [1]))
-        if p + 1 < N:
-            x = gb.unsqueeze(gb.embedding(code, ckpt.get(f"{LOCAL}.embed_tokens.{p}.weight", dtype=None),
-                                          f"{LOCAL}.embed_tokens.{p}"), [1])             # [B, 1, H]
+        with gb.scope(f"codebook.{p}"):
+            ang = np.float32(p) * inv
+            emb = np.concatenate([ang, ang]).reshape(1, 1, 1, -1)
+            cos, sin = gb.const(np.cos(emb)), gb.const(np.sin(emb))
+            h = x
+            for li, layer in enumerate(layers):
+                q, k, v = layer.qkv(gb, h, cos, sin)
+                keys[li].append(k)
+                values[li].append(v)
+                kk = keys[li][0] if p == 0 else gb.concat(keys[li], 2)
+                vv = values[li][0] if p == 0 else gb.concat(values[li], 2)
+                h = layer.finish(gb, h, q, kk, vv, None)
+            with gb.scope(f"local_transformer.local_lm_heads.{p}"):
+                h = gb.rms_norm_named(h, final_norm, s.rms_eps)
+                logits = gb.unsqueeze(gb.matmul(gb.squeeze(h, [1]), heads[p]), [1])        # [B, 1, V]
+            all_logits.append(logits)
+            hist = gb.op("Gather", [history, gb.const([p], np.int64)], axis=2)              # [B, W, 1]
+            penalized, _, probs = sampling_filter(gb, logits, hist, penalty, temperature, top_k, top_p, vocab=V)
+            with gb.scope("sampling.draw"):
+                argmax = gb.op("ArgMax", [gb.squeeze(penalized, [1])], axis=1, keepdims=0)  # [B]
+                drawn = _draw(gb, gb.squeeze(probs, [1]), gb.op("Gather", [uniform, gb.const(p, np.int64)], axis=1), V)
+                code = gb.op("Where", [greedy, argmax, drawn])                               # [B]
+            codes.append(gb.unsqueeze(code, [1]))
+            if p + 1 < N:
+                x = gb.unsqueeze(gb.embedding(code, ckpt.get(f"{LOCAL}.embed_tokens.{p}.weight", dtype=None),
+                                              f"{LOCAL}.embed_tokens.{p}"), [1])             # [B, 1, H]
     gb.output(gb.concat(codes, 1), "codes", INT64, ["batch", N])
     gb.output(gb.concat(all_logits, 1), "logits", FLOAT, ["batch", N, V])
     return gb

@@ -93,7 +93,7 @@ def load_model(args):
     from engine.bundle import Bundle
     from engine.tts import TTSModel
 
-    bundle = Bundle(args.bundle, device=args.device, threads=args.threads)
+    bundle = Bundle(args.bundle, device=args.device, threads=args.threads, profile_dir=profile_dir(args))
     if bundle.is_demo:
         progress(f"note: {args.bundle} is the demo bundle ({bundle.info.demo.note})")
     return TTSModel(bundle)
@@ -103,7 +103,19 @@ def load_codec(args):
     from engine.bundle import Bundle
     from engine.codec import Codec
 
-    return Codec(Bundle(args.bundle, device=args.device, threads=args.threads))
+    return Codec(Bundle(args.bundle, device=args.device, threads=args.threads, profile_dir=profile_dir(args)))
+
+
+def profile_dir(args) -> Path | None:
+    """``--profile DIR`` of the bench commands, created; None otherwise."""
+    path = getattr(args, "profile", None)
+    if not path:
+        return None
+    try:
+        Path(path).mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise CliError(f"--profile {path}: {e.strerror or e}") from None
+    return Path(path)
 
 
 # ---------------------------------------------------------------------------------------------- codec
@@ -229,10 +241,16 @@ def cmd_replay(args) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- bench
-def report(result: dict, text: str, json_path: str | None) -> None:
+def report(result: dict, text: str, json_path: str | None, bundle=None) -> None:
     print(text)
     if json_path:
-        Path(json_path).write_text(json.dumps(result, indent=1))
+        Path(json_path).write_text(json.dumps(result, indent=1, default=str))
+    if bundle is not None and bundle.profile_dir is not None:
+        from engine.bench import profile_summary
+
+        files = bundle.end_profiling()
+        print(profile_summary(files))
+        print(f"  profiles: {', '.join(str(f) for f in files)}")
 
 
 def cmd_bench_codec(args) -> None:
@@ -241,8 +259,9 @@ def cmd_bench_codec(args) -> None:
 
     if args.json:
         check_writable_file(args.json, "--json")
-    result = bench_codec(load_codec(args), frames=args.frames, repeats=args.repeats)
-    report(result, format_codec_report(result), args.json)
+    codec = load_codec(args)
+    result = bench_codec(codec, frames=args.frames, repeats=args.repeats)
+    report(result, format_codec_report(result), args.json, codec.bundle)
 
 
 def cmd_bench_synth(args) -> None:
@@ -251,8 +270,9 @@ def cmd_bench_synth(args) -> None:
 
     if args.json:
         check_writable_file(args.json, "--json")
-    result = bench_synth(load_model(args), frames=args.frames, repeats=args.repeats)
-    report(result, format_synth_report(result), args.json)
+    model = load_model(args)
+    result = bench_synth(model, frames=args.frames, repeats=args.repeats)
+    report(result, format_synth_report(result), args.json, model.bundle)
 
 
 def cmd_bench_streams(args) -> None:
@@ -267,8 +287,20 @@ def cmd_bench_streams(args) -> None:
         raise CliError(f"--streams must be comma-separated stream counts, got {args.streams!r}") from None
     if not counts or any(not 1 <= n <= 256 for n in counts):
         raise CliError("--streams counts must be integers in 1..256")
-    result = bench_streams(load_model(args), streams=counts, frames=args.frames)
-    report(result, format_streams_report(result), args.json)
+    model = load_model(args)
+    result = bench_streams(model, streams=counts, frames=args.frames)
+    report(result, format_streams_report(result), args.json, model.bundle)
+
+
+def cmd_bench_compare(args) -> None:
+    from engine.audio_io import check_writable_file
+    from engine.bench import bench_compare, format_compare_report
+
+    if args.json:
+        check_writable_file(args.json, "--json")
+    model = load_model(args)
+    result = bench_compare(model, frames=args.frames, streams=args.streams, repeats=args.repeats)
+    report(result, format_compare_report(result), args.json, model.bundle)
 
 
 # ---------------------------------------------------------------------------------------------- checkpoints, demo

@@ -199,12 +199,24 @@ def test_fp16_codec_bundle(tmp_path):
     assert snr > 40, snr
 
 
-def test_bench_codec_runs(codec_bundle_dir, tmp_path):
+def test_bench_codec_reports_consistent_figures(codec_bundle_dir, tmp_path):
     proc = mossrt("bench", "codec", "--bundle", codec_bundle_dir, "--frames", "6", "--repeats", "1",
-                  "--json", tmp_path / "b.json")
+                  "--json", tmp_path / "b.json", "--profile", tmp_path / "prof")
     r = json.loads((tmp_path / "b.json").read_text())
-    assert set(r["streaming"]) == {"1", "3", "6"}
-    assert r["kv_bytes_per_stream"] > 0 and "ms/frame" in proc.stdout
+    assert set(r["streaming"]) == {"1", "3", "6"} and r["frames"] == 6
+    spec = json.loads((codec_bundle_dir / "manifest.json").read_text())["codec"]["spec"]["decoder"]
+    rings = sum(s["layers"] * 2 * s["heads"] * (s["context"] - 1) * s["head_dim"] * 4 for s in spec)
+    assert r["kv_bytes_per_stream"] == rings                      # the rings of one stream, all stages
+    one = r["one_pass_ms_per_frame"]
+    assert one > 0 and r["encode_ms_per_frame"] > 0
+    for n, s in r["streaming"].items():
+        assert s["ms_per_frame"] > 0 and 0 <= s["host_share"] < 1
+        assert abs(s["ratio_to_one_pass"] - s["ms_per_frame"] / one) < 1e-9
+        assert abs(s["realtime_factor"] - s["ms_per_frame"] / 80) < 1e-9
+    assert f"{r['one_pass_ms_per_frame']:9.2f} ms/frame" in proc.stdout
+    # the profile names the codec's modules (node names follow the module path)
+    assert list((tmp_path / "prof").glob("codec_decoder*.json")) and "top modules" in proc.stdout
+    assert "decoder." in proc.stdout.split("top modules")[1]
 
 
 def test_bundle_errors(tmp_path):
