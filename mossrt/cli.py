@@ -110,6 +110,18 @@ def build_parser() -> argparse.ArgumentParser:
     bs.add_argument("--json", help="also write the results as JSON here")
     runtime_flags(bs)
     bs.set_defaults(func=c.cmd_bench_streams)
+    bc = bsub.add_parser("compare", help="every stage, time to first audio, throughput and memory against the "
+                                         "upstream PyTorch CPU baseline")
+    bundle_flag(bc)
+    bc.add_argument("--frames", type=int_in(2, 1000), default=8, help="frames per synthesis run (2..1000)")
+    bc.add_argument("--streams", type=int_in(2, 256), default=8, help="concurrent streams for the throughput figure")
+    bc.add_argument("--repeats", type=int_in(1, 100), default=3, help="runs to take the median of (1..100)")
+    bc.add_argument("--json", help="also write the results as JSON here")
+    runtime_flags(bc)
+    bc.set_defaults(func=c.cmd_bench_compare)
+    for bp in bsub.choices.values():
+        bp.add_argument("--profile", metavar="DIR", help="write onnxruntime profiles (JSON) to DIR and print the "
+                                                          "top ops by time")
 
     d = sub.add_parser("demo", help="build the built-in demo bundle and synthesize with it")
     d.add_argument("--bundle", help="demo bundle directory (default: MOSSRT_DEMO_DIR or ~/.cache/mossrt/demo-bundle)")
