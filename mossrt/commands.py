@@ -253,54 +253,49 @@ def report(result: dict, text: str, json_path: str | None, bundle=None) -> None:
         print(f"  profiles: {', '.join(str(f) for f in files)}")
 
 
-def cmd_bench_codec(args) -> None:
+def run_bench(args, load, run, fmt) -> None:
+    """Check ``--json`` first, load the bundle (with ``--profile``), run, print (and the profile)."""
     from engine.audio_io import check_writable_file
-    from engine.bench import bench_codec, format_codec_report
 
     if args.json:
         check_writable_file(args.json, "--json")
-    codec = load_codec(args)
-    result = bench_codec(codec, frames=args.frames, repeats=args.repeats)
-    report(result, format_codec_report(result), args.json, codec.bundle)
+    target = load(args)
+    result = run(target)
+    report(result, fmt(result), args.json, target.bundle)
+
+
+def cmd_bench_codec(args) -> None:
+    from engine.bench import bench_codec, format_codec_report
+
+    run_bench(args, load_codec, lambda codec: bench_codec(codec, frames=args.frames, repeats=args.repeats),
+              format_codec_report)
 
 
 def cmd_bench_synth(args) -> None:
-    from engine.audio_io import check_writable_file
     from engine.bench import bench_synth, format_synth_report
 
-    if args.json:
-        check_writable_file(args.json, "--json")
-    model = load_model(args)
-    result = bench_synth(model, frames=args.frames, repeats=args.repeats)
-    report(result, format_synth_report(result), args.json, model.bundle)
+    run_bench(args, load_model, lambda model: bench_synth(model, frames=args.frames, repeats=args.repeats),
+              format_synth_report)
 
 
 def cmd_bench_streams(args) -> None:
-    from engine.audio_io import check_writable_file
     from engine.bench import bench_streams, format_streams_report
 
-    if args.json:
-        check_writable_file(args.json, "--json")
     try:
         counts = [int(x) for x in args.streams.split(",") if x.strip()]
     except ValueError:
         raise CliError(f"--streams must be comma-separated stream counts, got {args.streams!r}") from None
     if not counts or any(not 1 <= n <= 256 for n in counts):
         raise CliError("--streams counts must be integers in 1..256")
-    model = load_model(args)
-    result = bench_streams(model, streams=counts, frames=args.frames)
-    report(result, format_streams_report(result), args.json, model.bundle)
+    run_bench(args, load_model, lambda model: bench_streams(model, streams=counts, frames=args.frames),
+              format_streams_report)
 
 
 def cmd_bench_compare(args) -> None:
-    from engine.audio_io import check_writable_file
     from engine.bench import bench_compare, format_compare_report
 
-    if args.json:
-        check_writable_file(args.json, "--json")
-    model = load_model(args)
-    result = bench_compare(model, frames=args.frames, streams=args.streams, repeats=args.repeats)
-    report(result, format_compare_report(result), args.json, model.bundle)
+    run_bench(args, load_model, lambda model: bench_compare(model, frames=args.frames, streams=args.streams,
+                                                            repeats=args.repeats), format_compare_report)
 
 
 # ---------------------------------------------------------------------------------------------- checkpoints, demo
