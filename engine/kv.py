@@ -1,8 +1,9 @@
 """Host-owned KV memory: the backbone's slot pool and the codec's sliding-window rings.
 
-Both are numpy arrays bound to the graphs zero-copy (OrtValues over the numpy memory, created once per
-binding shape and cached). Streams live in slots; a call binds a contiguous prefix of slots (or one
-slot) so no per-step copy ever grows with the context. When a stream leaves, the last slot's stream is
+The backbone's slots are tensors on the sessions' device (``engine/device.py``), bound by pointer; the
+codec's rings are host numpy arrays bound zero-copy (OrtValues over the numpy memory, cached per binding
+shape). Streams live in slots; a call binds a contiguous prefix of slots (or one slot) so no per-step copy
+ever grows with the context. When a stream leaves, the last slot's stream is
 moved into the hole (one copy of its filled rows) so the active slots stay a prefix.
 """
 
@@ -13,23 +14,27 @@ from dataclasses import dataclass
 import numpy as np
 import onnxruntime as ort
 
+from .device import DeviceTensor, SlotRows
+
 
 # ---------------------------------------------------------------------------------------------- backbone
 class BackboneKVPool:
-    """KV of ``slots`` streams: per layer K and V ``[slots, kv_heads, rows + 1, head_dim]``.
+    """KV of ``slots`` streams, on the sessions' device: per layer K and V ``[slots, kv_heads, rows + 1,
+    head_dim]``.
 
     ``lengths[s]`` rows of slot ``s`` are valid. The graph (GroupQueryAttention) writes a call's new rows
     at ``lengths[s]..`` of the bound memory itself and reads only the valid rows, so the host only moves
     ``lengths``. The extra row is scratch: a stream that rides along in a batched step without being
     fed (it waits for text) has its dummy row written there or beyond its valid rows, never over them.
-    The array is allocated lazily by the OS (calloc), so untouched slots cost no resident memory.
+    Host memory is allocated lazily by the OS, so untouched slots cost no resident memory.
     """
 
-    def __init__(self, layers: int, kv_heads: int, head_dim: int, slots: int, rows: int):
+    def __init__(self, layers: int, kv_heads: int, head_dim: int, slots: int, rows: int,
+                 device: str = "cpu", providers: list[str] | None = None):
         self.layers, self.slots, self.rows = layers, slots, rows
-        self.kv = np.zeros((layers, 2, slots, kv_heads, rows + 1, head_dim), np.float32)
+        self.tensors = [DeviceTensor((slots, kv_heads, rows + 1, head_dim), device) for _ in range(2 * layers)]
+        self._rows = SlotRows(2 * layers, kv_heads, head_dim, providers or ["CPUExecutionProvider"])
         self.lengths = np.zeros(slots, np.int64)
-        self._bound: dict[tuple[int, int], list[ort.OrtValue]] = {}
 
     @staticmethod
     def bytes_per_slot(layers: int, kv_heads: int, head_dim: int, rows: int) -> int:
@@ -37,41 +42,35 @@ class BackboneKVPool:
 
     @property
     def nbytes_per_slot(self) -> int:
-        return self.kv.nbytes // self.slots
+        return sum(t.row_bytes for t in self.tensors)
 
     def room(self, slot: int) -> int:
         return self.rows - int(self.lengths[slot])
 
     def bind(self, binding: ort.IOBinding, lo: int, hi: int) -> None:
         """Bind slots ``lo..hi-1`` as each layer's past and present (the same memory: in place)."""
-        key = (lo, hi)
-        if key not in self._bound:
-            self._bound[key] = [ort.OrtValue.ortvalue_from_numpy(self.kv[layer, j, lo:hi])
-                                for layer in range(self.layers) for j in (0, 1)]
-        values = self._bound[key]
         for layer in range(self.layers):
-            for j, (past, present) in enumerate((("past_key", "present_key"), ("past_value", "present_value"))):
-                v = values[2 * layer + j]
-                binding.bind_ortvalue_input(f"{past}.{layer}", v)
-                binding.bind_ortvalue_output(f"{present}.{layer}", v)
+            for j, kind in enumerate(("key", "value")):
+                t = self.tensors[2 * layer + j]
+                t.bind_input(binding, f"past_{kind}.{layer}", lo, hi - lo)
+                t.bind_output(binding, f"present_{kind}.{layer}", lo, hi - lo)
 
     def move(self, src: int, dst: int) -> None:
-        """Move the stream of slot ``src`` into slot ``dst`` (its filled rows only)."""
-        n = int(self.lengths[src])
-        self.kv[:, :, dst, :, :n] = self.kv[:, :, src, :, :n]
-        self.lengths[dst] = n
+        """Move the stream of slot ``src`` into slot ``dst`` (its filled rows only, on the device)."""
+        self._rows.copy(self.tensors, src, dst, int(self.lengths[src]))
+        self.lengths[dst] = self.lengths[src]
         self.lengths[src] = 0
 
     def copy_rows(self, src: np.ndarray, slot: int) -> None:
         """Start slot ``slot`` with cached rows ``src`` [layers, 2, kv_heads, n, head_dim] (a prefix)."""
-        n = src.shape[3]
-        self.kv[:, :, slot, :, :n] = src
-        self.lengths[slot] = n
+        self._rows.write(self.tensors, slot, src.reshape(-1, *src.shape[2:]))
+        self.lengths[slot] = src.shape[3]
 
     def rows_of(self, slot: int, n: int | None = None) -> np.ndarray:
-        """A copy of the first ``n`` (default: all valid) rows of a slot, [layers, 2, kv_heads, n, head_dim]."""
+        """A host copy of the first ``n`` (default: all valid) rows of a slot, [layers, 2, kv_heads, n, head_dim]."""
         n = int(self.lengths[slot]) if n is None else n
-        return self.kv[:, :, slot, :, :n].copy()
+        rows = self._rows.read(self.tensors, slot, n)
+        return rows.reshape(self.layers, 2, *rows.shape[1:])
 
 
 # ---------------------------------------------------------------------------------------------- codec

@@ -46,7 +46,7 @@ class TTSModel:
 
     def kv_pool(self, slots: int, rows: int) -> BackboneKVPool:
         c = self.config
-        return BackboneKVPool(c.layers, c.kv_heads, c.head_dim, slots, rows)
+        return BackboneKVPool(c.layers, c.kv_heads, c.head_dim, slots, rows, self.bundle.device, self.bundle.providers)
 
     def kv_bytes_per_slot(self, rows: int) -> int:
         c = self.config

@@ -1,0 +1,143 @@
+"""Tensors that live on the sessions' device, and the row copies the host asks of them.
+
+KV memory is allocated as onnxruntime ``OrtValue``s on the bundle's provider (host memory on CPU, GPU
+memory on CUDA) and bound to the graphs by pointer, so a step moves none of it across the PCIe bus. The
+few operations the host needs on it — start a slot with cached rows, move a stream to another slot,
+read a slot's rows back — run as tiny graphs on the same provider that write in place (an output bound
+to the memory of its input: onnxruntime then updates only the rows it scatters). One code path: on CPU
+the very same graphs run, and every test exercises them.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+from onnx import TensorProto, helper
+
+ELEMENT = {np.dtype(np.float32): TensorProto.FLOAT}
+
+
+class DeviceTensor:
+    """A float32 tensor on ``device`` whose leading axis can be bound in contiguous pieces."""
+
+    def __init__(self, shape: tuple[int, ...], device: str):
+        self.shape = tuple(int(s) for s in shape)
+        self.device = device
+        self.value = ort.OrtValue.ortvalue_from_shape_and_type(list(self.shape), np.float32, device, 0)
+        self.row_bytes = int(np.prod(self.shape[1:])) * 4     # bytes of one index of the leading axis
+
+    @property
+    def nbytes(self) -> int:
+        return self.shape[0] * self.row_bytes
+
+    def view(self, start: int, count: int) -> tuple[int, list[int]]:
+        """(pointer, shape) of ``tensor[start:start+count]``."""
+        return self.value.data_ptr() + start * self.row_bytes, [count, *self.shape[1:]]
+
+    def bind_input(self, binding: ort.IOBinding, name: str, start: int, count: int) -> None:
+        ptr, shape = self.view(start, count)
+        binding.bind_input(name, self.device, 0, np.float32, shape, ptr)
+
+    def bind_output(self, binding: ort.IOBinding, name: str, start: int, count: int) -> None:
+        ptr, shape = self.view(start, count)
+        binding.bind_output(name, self.device, 0, np.float32, shape, ptr)
+
+
+def _graph(name: str, nodes, inputs, outputs) -> bytes:
+    model = helper.make_model(helper.make_graph(nodes, name, inputs, outputs),
+                              opset_imports=[helper.make_opsetid("", 18)], producer_name="mossrt-engine")
+    model.ir_version = 9
+    onnx.checker.check_model(model)
+    return model.SerializeToString()
+
+
+class SlotRows:
+    """Row operations on ``count`` tensors ``[slots, heads, rows, dim]`` that share a layout (a layer's K and V
+    across all layers): write host rows into a slot, copy a slot's first rows to another slot, read them."""
+
+    def __init__(self, count: int, heads: int, dim: int, providers: list[str]):
+        self.count, self.heads, self.dim = count, heads, dim
+        f, i64 = TensorProto.FLOAT, TensorProto.INT64
+        slot = lambda n: helper.make_tensor_value_info(n, f, [1, heads, "rows", dim])
+        rows = lambda n: helper.make_tensor_value_info(n, f, [1, heads, "n", dim])
+        n_in = helper.make_tensor_value_info("n", i64, [1])
+
+        def index_nodes(src: str) -> list:
+            # row indices 0..n-1 broadcast to the updates' shape, for ScatterElements along the rows axis
+            return [helper.make_node("Constant", [], ["zero"], value=helper.make_tensor("z", i64, [], [0])),
+                    helper.make_node("Constant", [], ["one"], value=helper.make_tensor("o", i64, [], [1])),
+                    helper.make_node("Squeeze", ["n"], ["n_scalar"]),
+                    helper.make_node("Range", ["zero", "n_scalar", "one"], ["r"]),
+                    helper.make_node("Constant", [], ["col"], value=helper.make_tensor("c", i64, [4], [1, 1, -1, 1])),
+                    helper.make_node("Reshape", ["r", "col"], ["r4"]),
+                    helper.make_node("Shape", [src], ["upd_shape"]),
+                    helper.make_node("Expand", ["r4", "upd_shape"], ["idx"])]
+
+        # write: dst.k (in place) <- upd.k at rows 0..n-1
+        nodes = index_nodes("upd.0")
+        nodes += [helper.make_node("ScatterElements", [f"dst.{k}", "idx", f"upd.{k}"], [f"out.{k}"], axis=2)
+                  for k in range(count)]
+        write = _graph("slot_write", nodes, [slot(f"dst.{k}") for k in range(count)]
+                       + [rows(f"upd.{k}") for k in range(count)] + [n_in],
+                       [slot(f"out.{k}") for k in range(count)])
+        # copy: dst.k (in place) <- src.k[:, :, :n]
+        nodes = [helper.make_node("Constant", [], ["zeros"], value=helper.make_tensor("zz", i64, [1], [0])),
+                 helper.make_node("Constant", [], ["axis"], value=helper.make_tensor("ax", i64, [1], [2]))]
+        nodes += [helper.make_node("Slice", [f"src.{k}", "zeros", "n", "axis"], [f"upd.{k}"]) for k in range(count)]
+        nodes += index_nodes("upd.0")
+        nodes += [helper.make_node("ScatterElements", [f"dst.{k}", "idx", f"upd.{k}"], [f"out.{k}"], axis=2)
+                  for k in range(count)]
+        copy = _graph("slot_copy", nodes, [slot(f"dst.{k}") for k in range(count)]
+                      + [slot(f"src.{k}") for k in range(count)] + [n_in], [slot(f"out.{k}") for k in range(count)])
+        # read: src.k[:, :, :n]
+        nodes = [helper.make_node("Constant", [], ["zeros"], value=helper.make_tensor("zz", i64, [1], [0])),
+                 helper.make_node("Constant", [], ["axis"], value=helper.make_tensor("ax", i64, [1], [2]))]
+        nodes += [helper.make_node("Slice", [f"src.{k}", "zeros", "n", "axis"], [f"rows.{k}"]) for k in range(count)]
+        read = _graph("slot_read", nodes, [slot(f"src.{k}") for k in range(count)] + [n_in],
+                      [rows(f"rows.{k}") for k in range(count)])
+        opts = ort.SessionOptions()
+        opts.log_severity_level = 3
+        self._sessions = {name: ort.InferenceSession(g, opts, providers=providers)
+                          for name, g in (("write", write), ("copy", copy), ("read", read))}
+        self._lock = threading.Lock()
+
+    def _bind_dst(self, binding, tensors: list[DeviceTensor], slot: int) -> None:
+        for k, t in enumerate(tensors):
+            t.bind_input(binding, f"dst.{k}", slot, 1)
+            t.bind_output(binding, f"out.{k}", slot, 1)       # in place: only the scattered rows change
+
+    def write(self, tensors: list[DeviceTensor], slot: int, rows: np.ndarray) -> None:
+        """``rows`` [count, heads, n, dim] (host) into rows 0..n-1 of ``slot`` of every tensor."""
+        session = self._sessions["write"]
+        binding = session.io_binding()
+        self._bind_dst(binding, tensors, slot)
+        for k in range(len(tensors)):
+            binding.bind_cpu_input(f"upd.{k}", np.ascontiguousarray(rows[k][None], dtype=np.float32))
+        binding.bind_cpu_input("n", np.array([rows.shape[2]], np.int64))
+        session.run_with_iobinding(binding)
+
+    def copy(self, tensors: list[DeviceTensor], src: int, dst: int, n: int) -> None:
+        """Rows 0..n-1 of slot ``src`` into slot ``dst`` of every tensor (on the device)."""
+        if n == 0:
+            return
+        session = self._sessions["copy"]
+        binding = session.io_binding()
+        self._bind_dst(binding, tensors, dst)
+        for k, t in enumerate(tensors):
+            t.bind_input(binding, f"src.{k}", src, 1)
+        binding.bind_cpu_input("n", np.array([n], np.int64))
+        session.run_with_iobinding(binding)
+
+    def read(self, tensors: list[DeviceTensor], slot: int, n: int) -> np.ndarray:
+        """Rows 0..n-1 of ``slot`` of every tensor, on the host: [count, heads, n, dim]."""
+        session = self._sessions["read"]
+        binding = session.io_binding()
+        for k, t in enumerate(tensors):
+            t.bind_input(binding, f"src.{k}", slot, 1)
+            binding.bind_output(f"rows.{k}", "cpu")
+        binding.bind_cpu_input("n", np.array([n], np.int64))
+        session.run_with_iobinding(binding)
+        return np.stack([v.numpy()[0] for v in binding.get_outputs()])
