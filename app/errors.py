@@ -62,6 +62,8 @@ def _validation_error(exc: RequestValidationError) -> ApiError:
     if err.get("type") == "json_invalid":
         return ApiError(400, f"the request body is not valid JSON: {msg}", "invalid_request_error", None, "invalid_json")
     if err.get("type") == "missing":
+        if param is None:
+            return ApiError(400, "the request body is missing", "invalid_request_error", None, "missing_body")
         return ApiError(400, f"missing required parameter: {param}", "invalid_request_error", param, "missing_parameter")
     return ApiError(400, f"{param}: {msg}" if param else msg, "invalid_request_error", param, "invalid_value")
 
@@ -83,10 +85,17 @@ def install(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException):
-        kind = {401: "invalid_request_error", 404: "invalid_request_error", 405: "invalid_request_error"}
         code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(exc.status_code)
-        return ApiError(exc.status_code, str(exc.detail), kind.get(exc.status_code, "invalid_request_error"),
-                        None, code, dict(exc.headers or {})).response()
+        headers = dict(exc.headers or {})
+        if exc.status_code == 405:     # every method any route serves at this path (Starlette names one route's)
+            allowed = set()
+            for route in app.routes:
+                methods = getattr(route, "methods", None)
+                regex = getattr(route, "path_regex", None)
+                if methods and regex is not None and regex.match(request.url.path):
+                    allowed |= set(methods)
+            headers["Allow"] = ", ".join(sorted(allowed))
+        return ApiError(exc.status_code, str(exc.detail), "invalid_request_error", None, code, headers).response()
 
     @app.exception_handler(Exception)
     async def _any(request: Request, exc: Exception):

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
+from typing import Annotated
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, StrictStr
 
 from engine.limits import HARD_MAX_FRAMES
 from engine.sampling import MAX_REPETITION_WINDOW, MAX_SEED, MAX_TOP_K
@@ -12,6 +14,28 @@ from engine.sampling import MAX_REPETITION_WINDOW, MAX_SEED, MAX_TOP_K
 from .audio_formats import FORMATS, MAX_SPEED, MIN_SPEED
 
 ResponseFormat = Literal[FORMATS]  # type: ignore[valid-type]
+
+
+def _whole_number(value):
+    """JSON integers, and numbers like 2366.0 that JSON Schema counts as integers; never bools or strings."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError("must be an integer")
+    if isinstance(value, float):
+        if not value.is_integer():
+            raise ValueError("must be an integer")
+        return int(value)
+    return value
+
+
+def _number(value):
+    """A JSON number; booleans and strings are refused rather than coerced."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError("must be a number")
+    return value
+
+
+WholeInt = Annotated[int, BeforeValidator(_whole_number)]
+Number = Annotated[float, BeforeValidator(_number)]
 
 
 class VoiceRef(BaseModel):
@@ -22,13 +46,13 @@ class VoiceRef(BaseModel):
 class SamplingExtras(BaseModel):
     """Generation settings beyond OpenAI's fields (all optional; defaults come from the bundle)."""
 
-    seed: StrictInt | None = Field(None, ge=0, lt=MAX_SEED)
-    temperature: float | None = Field(None, ge=0, le=100)
-    top_p: float | None = Field(None, gt=0, le=1)
-    top_k: StrictInt | None = Field(None, ge=0, le=MAX_TOP_K)
-    repetition_penalty: float | None = Field(None, gt=0, le=100)
-    repetition_window: StrictInt | None = Field(None, ge=1, le=MAX_REPETITION_WINDOW)
-    max_frames: StrictInt | None = Field(None, ge=1, le=HARD_MAX_FRAMES)
+    seed: WholeInt | None = Field(None, ge=0, lt=MAX_SEED)
+    temperature: Number | None = Field(None, ge=0, le=100)
+    top_p: Number | None = Field(None, gt=0, le=1)
+    top_k: WholeInt | None = Field(None, ge=0, le=MAX_TOP_K)
+    repetition_penalty: Number | None = Field(None, gt=0, le=100)
+    repetition_window: WholeInt | None = Field(None, ge=1, le=MAX_REPETITION_WINDOW)
+    max_frames: WholeInt | None = Field(None, ge=1, le=HARD_MAX_FRAMES)
     greedy: StrictBool | None = None
 
 
@@ -39,11 +63,11 @@ class SpeechRequest(SamplingExtras):
     model_config = ConfigDict(extra="allow")
 
     model: StrictStr = Field(min_length=1, max_length=256)
-    input: StrictStr
+    input: StrictStr = Field(min_length=1)
     voice: StrictStr | VoiceRef = "default"
     instructions: StrictStr | None = Field(None, max_length=4096)
     response_format: ResponseFormat = "mp3"
-    speed: float = Field(1.0, ge=MIN_SPEED, le=MAX_SPEED)
+    speed: Number = Field(1.0, ge=MIN_SPEED, le=MAX_SPEED)
     stream_format: Literal["audio", "sse"] = "audio"
     allow_special_tokens: StrictBool = False
 
@@ -71,6 +95,19 @@ class VoiceObject(BaseModel):
 class VoiceList(BaseModel):
     object: Literal["list"] = "list"
     data: list[VoiceObject]
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorBody(BaseModel):
+    """Every error of the service (OpenAI's shape)."""
+
+    error: ErrorDetail
 
 
 class DeletedVoice(BaseModel):

@@ -84,7 +84,47 @@ def create_app(settings: ServerSettings, bundle: Bundle) -> FastAPI:
 
     for module in (ops, speech, voices, ws, web):
         app.include_router(module.router)
+    app.openapi = lambda: _openapi(app)
     return app
+
+
+# Error statuses each route can answer, documented with OpenAI's error body (FastAPI's own 422 never happens).
+_ERRORS = {"400": "invalid input", "401": "missing or invalid API key (when keys are configured)",
+           "404": "not found", "409": "a voice with this name exists", "413": "upload too large",
+           "429": "no stream slot freed within the queue timeout (see Retry-After)",
+           "503": "the model is loading or the server is draining (see Retry-After)"}
+_ROUTE_ERRORS = {("post", "/v1/audio/speech"): ("400", "401", "429", "503"),
+                 ("post", "/v1/audio/voices"): ("400", "401", "409", "413", "503"),
+                 ("get", "/v1/audio/voices"): ("401",),
+                 ("get", "/v1/audio/voices/{voice_id}"): ("401", "404"),
+                 ("delete", "/v1/audio/voices/{voice_id}"): ("401", "404"),
+                 ("get", "/v1/models"): ("401",),
+                 ("get", "/v1/models/{model_id}"): ("401", "404"),
+                 ("get", "/ready"): ("503",)}
+
+
+def _openapi(app: FastAPI) -> dict:
+    from fastapi.openapi.utils import get_openapi
+
+    from .schemas import ErrorBody
+
+    if app.openapi_schema:
+        return app.openapi_schema
+    schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
+    components = schema.setdefault("components", {}).setdefault("schemas", {})
+    for name in ("HTTPValidationError", "ValidationError"):
+        components.pop(name, None)
+    components.update(ErrorBody.model_json_schema(ref_template="#/components/schemas/{model}").pop("$defs", {}))
+    components["ErrorBody"] = ErrorBody.model_json_schema(ref_template="#/components/schemas/{model}")
+    ref = {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorBody"}}}
+    for path, operations in schema.get("paths", {}).items():
+        for method, op in operations.items():
+            responses = op.setdefault("responses", {})
+            responses.pop("422", None)
+            for status in _ROUTE_ERRORS.get((method, path), ()):
+                responses[status] = {"description": _ERRORS[status], "content": ref}
+    app.openapi_schema = schema
+    return schema
 
 
 def _version() -> str:

@@ -80,7 +80,8 @@ def resolve_voice(model, limits: Limits, wav: tuple[np.ndarray, int] | None = No
 
 
 # ---------------------------------------------------------------------------------------------- registry
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9 _.\-]{0,63}$")
+VOICE_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9 _.\-]{0,63}$"
+_NAME = re.compile(VOICE_NAME_PATTERN)
 
 
 @dataclass(frozen=True)

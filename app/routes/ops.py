@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from fastapi import APIRouter, Depends, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from ..auth import require_key
@@ -34,7 +34,9 @@ async def ready(request: Request):
     return JSONResponse(body, status_code=200 if service.state == "ready" else 503)
 
 
-@router.get("/metrics")
+@router.get("/metrics", response_class=PlainTextResponse,
+            responses={200: {"content": {CONTENT_TYPE_LATEST.split(";")[0]: {"schema": {"type": "string"}}},
+                             "description": "Prometheus text exposition"}})
 async def metrics(request: Request):
     service: TTSService = request.app.state.service
     m = request.app.state.metrics

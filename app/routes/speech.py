@@ -8,7 +8,7 @@ import logging
 import time
 
 from fastapi import APIRouter, Depends, Request
-from fastapi.responses import StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
 from engine.errors import EngineError, InputError
@@ -26,8 +26,10 @@ router = APIRouter()
 ENDPOINT = "/v1/audio/speech"
 
 
-@router.post(ENDPOINT, dependencies=[Depends(require_key)],
-             responses={200: {"content": {t: {} for t in set(CONTENT_TYPES.values()) | {"text/event-stream"}},
+@router.post(ENDPOINT, dependencies=[Depends(require_key)], response_class=Response,
+             responses={200: {"content": {t: {"schema": {"type": "string", "format": "binary"}}
+                                          for t in sorted(set(CONTENT_TYPES.values()))}
+                              | {"text/event-stream": {}},
                               "description": "audio, streamed as it is generated"}})
 async def create_speech(body: SpeechRequest, request: Request):
     service: TTSService = request.app.state.service

@@ -6,6 +6,7 @@ from fastapi import APIRouter, Depends, File, Form, Request, UploadFile
 from starlette.concurrency import run_in_threadpool
 
 from engine.errors import InputError
+from engine.voices import VOICE_NAME_PATTERN
 
 from ..auth import require_key
 from ..errors import ApiError
@@ -17,7 +18,8 @@ router = APIRouter(dependencies=[Depends(require_key)])
 
 
 @router.post("/v1/audio/voices", response_model=VoiceObject)
-async def create_voice(request: Request, name: str = Form(..., max_length=64), audio_sample: UploadFile = File(...)):
+async def create_voice(request: Request, name: str = Form(..., pattern=VOICE_NAME_PATTERN),
+                       audio_sample: UploadFile = File(...)):
     """Multipart ``name`` + ``audio_sample`` (any common format and rate, at most 10 MiB by default, 0.5 s to
     the voice length limit). Encoded once; usable as ``voice: "<name>"`` or ``{"id": "<id>"}``."""
     service: TTSService = request.app.state.service
