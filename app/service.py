@@ -136,6 +136,10 @@ class TTSService:
             self.state = "draining"
             finished = self.scheduler.drain(self.settings.drain_timeout)
             log.info("drained (%s)", "all turns finished" if finished else "timeout: remaining streams stopped")
+        self.close()
+
+    def close(self) -> None:
+        """Stop now: readiness off, the scheduler's loop ends and open streams get an error."""
         self.state = "draining"
         if self.scheduler is not None:
             self.scheduler.stop()

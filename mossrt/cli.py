@@ -169,6 +169,9 @@ def build_parser() -> argparse.ArgumentParser:
     from .serve import add_serve_parser
 
     add_serve_parser(sub, runtime_flags, int_in, finite_float)
+    from .localai_cmd import add_localai_parser
+
+    add_localai_parser(sub, runtime_flags, int_in)
     return p
 
 

@@ -1,0 +1,765 @@
+"""LocalAI's ``Backend`` gRPC service for MOSS-TTS-Realtime: the ``moss-tts-realtime`` external backend.
+
+LocalAI spawns the backend with ``--addr HOST:PORT``, polls ``Health`` until it answers ``OK``, sends
+``LoadModel`` (the model YAML as ``ModelOptions``) and then ``TTS`` (write a WAV to ``dst``) or
+``TTSStream`` (a ``{"sample_rate": N}`` message, then s16le mono PCM chunks as frames are generated).
+
+Loading, warm-up, voice names and sampling settings go through :class:`app.service.TTSService`, the
+same object the HTTP service uses; every request opens a stream on its one scheduler, which is where
+concurrent requests are batched. Errors are gRPC status codes (``context.abort``), never a crash:
+
+=====================================  ============================
+no model loaded / it failed to load     FAILED_PRECONDITION
+model still loading, or Free'd mid-way  UNAVAILABLE
+empty text, bad param, unknown voice    INVALID_ARGUMENT
+no free stream slot in queue_timeout    RESOURCE_EXHAUSTED
+ModelIdentity names another model       NOT_FOUND ("model identity mismatch", LocalAI's sentinel)
+client cancelled                        CANCELLED
+anything else                           INTERNAL
+=====================================  ============================
+
+This module never imports ``export``: exporting a Hugging Face checkpoint at LoadModel time uses an
+exporter callable injected by the caller (``mossrt localai`` passes one).
+"""
+
+from __future__ import annotations
+
+import collections
+import ctypes
+import functools
+import gc
+import hashlib
+import hmac
+import json
+import logging
+import os
+import queue
+import shutil
+import signal
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Callable, Iterator, Protocol
+
+import grpc
+import numpy as np
+
+from engine.bundle import Bundle
+from engine.errors import CapacityError, EngineError, InputError, OverloadError
+from engine.scheduler import FrameEvent, QueueSink, StreamError, TurnEnd
+from engine.stream import FinishReason
+from engine.voices import read_reference_audio, resolve_voice
+
+from ..audio_formats import StreamEncoder
+from ..errors import ApiError
+from ..service import DEFAULT_VOICE, OPENAI_VOICES, SamplingFields, TTSService
+from ..settings import ServerSettings
+from . import backend_pb2 as pb
+from . import backend_pb2_grpc as pb_grpc
+from .options import BACKEND_NAME, LoadConfig, OptionError, TTSParams, load_config, parse_tts_params
+
+log = logging.getLogger("mossrt.localai")
+
+MAX_MESSAGE_BYTES = 50 * 1024 * 1024
+DEFAULT_MAX_WORKERS = 4
+DEFAULT_GRACE_SECONDS = 5.0
+AUTH_ENV = "LOCALAI_GRPC_AUTH_TOKEN"
+WORKERS_ENV = "PYTHON_GRPC_MAX_WORKERS"
+MODEL_MISMATCH_SENTINEL = "model identity mismatch"     # LocalAI's router looks for it with NOT_FOUND
+EVENT_POLL_SECONDS = 0.25                               # how often a waiting request looks at its RPC
+VOICE_CACHE_ENTRIES = 16
+
+
+class Exporter(Protocol):
+    """Writes a bundle from checkpoints (``mossrt localai`` injects one built on the ``export`` package)."""
+
+    def __call__(self, model: str, codec: str, out_dir: Path, *, tokenizer: str | None, dtype: str,
+                 codec_dtype: str | None) -> None: ...
+
+
+# ---------------------------------------------------------------------------------------------- errors
+class _Abort(Exception):
+    """End the RPC with this status (raised inside handlers; the wrappers call ``context.abort`` once)."""
+
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code, self.message = code, message
+
+
+class _LoadFailed(Exception):
+    """LoadModel answers ``Result(success=False, message=...)``."""
+
+
+_HTTP_TO_GRPC = {400: grpc.StatusCode.INVALID_ARGUMENT, 401: grpc.StatusCode.UNAUTHENTICATED,
+                 404: grpc.StatusCode.NOT_FOUND, 413: grpc.StatusCode.INVALID_ARGUMENT,
+                 429: grpc.StatusCode.RESOURCE_EXHAUSTED, 503: grpc.StatusCode.UNAVAILABLE}
+
+
+def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
+    """The gRPC status of an exception raised while serving a request (typed errors mapped once)."""
+    if isinstance(exc, _Abort):
+        return exc.code, exc.message
+    if isinstance(exc, OptionError):
+        return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
+    if isinstance(exc, ApiError):
+        return _HTTP_TO_GRPC.get(exc.status, grpc.StatusCode.INTERNAL), exc.message
+    if isinstance(exc, CapacityError):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)
+    if isinstance(exc, OverloadError):
+        return grpc.StatusCode.UNAVAILABLE, str(exc)
+    if isinstance(exc, InputError):
+        return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
+    if isinstance(exc, EngineError):
+        return grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}"
+    log.error("unexpected error", exc_info=exc)
+    return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}"
+
+
+def _unary(method):
+    @functools.wraps(method)
+    def wrapper(self, request, context):
+        try:
+            return method(self, request, context)
+        except Exception as exc:  # noqa: BLE001 - every failure becomes a status, never a crash
+            code, message = status_for(exc)
+        context.abort(code, message)
+    return wrapper
+
+
+def _streaming(method):
+    @functools.wraps(method)
+    def wrapper(self, request, context):
+        inner = method(self, request, context)
+        failure = None
+        try:
+            while True:
+                try:
+                    item = next(inner)
+                except StopIteration:
+                    return
+                except Exception as exc:  # noqa: BLE001
+                    failure = status_for(exc)
+                    break
+                yield item
+        finally:
+            inner.close()           # also when gRPC drops this generator (client gone): closes the stream
+        context.abort(*failure)
+    return wrapper
+
+
+# ---------------------------------------------------------------------------------------------- auth
+def _rebuild(handler: grpc.RpcMethodHandler, behavior) -> grpc.RpcMethodHandler:
+    """A handler of the same kind as ``handler`` running ``behavior``."""
+    kw = {"request_deserializer": handler.request_deserializer, "response_serializer": handler.response_serializer}
+    if handler.request_streaming and handler.response_streaming:
+        return grpc.stream_stream_rpc_method_handler(behavior, **kw)
+    if handler.request_streaming:
+        return grpc.stream_unary_rpc_method_handler(behavior, **kw)
+    if handler.response_streaming:
+        return grpc.unary_stream_rpc_method_handler(behavior, **kw)
+    return grpc.unary_unary_rpc_method_handler(behavior, **kw)
+
+
+class BearerTokenInterceptor(grpc.ServerInterceptor):
+    """Every call must carry ``authorization: Bearer <token>`` metadata, else UNAUTHENTICATED
+    (LocalAI sends it when ``LOCALAI_GRPC_AUTH_TOKEN`` is set; compared in constant time)."""
+
+    def __init__(self, token: str):
+        self._expected = f"Bearer {token}".encode()
+
+    def intercept_service(self, continuation, handler_call_details):
+        given = b""
+        for key, value in handler_call_details.invocation_metadata or ():
+            if key.lower() == "authorization":
+                given = value.encode() if isinstance(value, str) else bytes(value)
+                break
+        handler = continuation(handler_call_details)
+        if handler is None or hmac.compare_digest(given, self._expected):
+            return handler
+
+        def deny(request, context):
+            context.abort(grpc.StatusCode.UNAUTHENTICATED,
+                          "missing or invalid bearer token (this backend requires LOCALAI_GRPC_AUTH_TOKEN)")
+
+        return _rebuild(handler, deny)
+
+
+def interceptors_from_env(env=os.environ) -> list[grpc.ServerInterceptor]:
+    token = env.get(AUTH_ENV, "")
+    return [BearerTokenInterceptor(token)] if token else []
+
+
+def max_workers_from_env(env=os.environ) -> int:
+    raw = env.get(WORKERS_ENV, "").strip()
+    if not raw:
+        return DEFAULT_MAX_WORKERS
+    try:
+        value = int(raw, 10)
+    except ValueError:
+        value = 0
+    if not 1 <= value <= 1024:
+        raise ValueError(f"{WORKERS_ENV} must be an integer in 1..1024, got {raw!r}")
+    return value
+
+
+# ---------------------------------------------------------------------------------------------- helpers
+def rss_bytes() -> int:
+    """Resident memory of this process (one read of /proc/self/statm; 0 where there is none)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def _release_heap() -> None:
+    gc.collect()
+    try:                                    # glibc keeps freed arenas: hand them back to the system
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def _dir_signature(path: Path) -> list:
+    """Names, sizes and mtimes of a checkpoint directory's files: a changed checkpoint gets a new cache key."""
+    try:
+        return sorted((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in path.iterdir() if p.is_file())
+    except OSError:
+        return []
+
+
+@dataclass(frozen=True)
+class ServerDefaults:
+    """The command line's settings: what LoadModel uses when ModelOptions says nothing."""
+
+    voices_dir: str | None = None
+    max_streams: int | None = None
+    device: str | None = None
+    threads: int | None = None
+
+
+@dataclass
+class _Loaded:
+    service: TTSService
+    bundle_dir: Path
+    config: LoadConfig
+    identity: str               # ModelOptions.Model of the LoadModel that owns it ("" = preloaded)
+
+
+@dataclass(frozen=True)
+class _Job:
+    ids: list[int]
+    voice: np.ndarray | None
+    params: object              # SamplingParams
+    seed: int | None
+    max_frames: int | None
+    speed: float
+    sample_rate: int
+
+
+# ---------------------------------------------------------------------------------------------- the servicer
+class MossTTSBackend(pb_grpc.BackendServicer):
+    """``Health``, ``LoadModel``, ``TTS``, ``TTSStream``, ``Status``, ``Free``; every other RPC of the
+    proto answers UNIMPLEMENTED (the generated base class)."""
+
+    def __init__(self, defaults: ServerDefaults | None = None, exporter: Exporter | None = None,
+                 demo_bundle: Callable[[], Path] | None = None):
+        self.defaults = defaults or ServerDefaults()
+        self.exporter = exporter
+        self.demo_bundle = demo_bundle
+        self._lock = threading.RLock()           # LoadModel / Free / preload, one at a time
+        self._loaded: _Loaded | None = None
+        self._voice_lock = threading.Lock()
+        self._voice_cache: collections.OrderedDict[tuple, np.ndarray] = collections.OrderedDict()
+
+    # ------------------------------------------------------------------ lifecycle
+    def preload(self, bundle: str | Path) -> None:
+        """Start loading ``bundle`` in the background (``mossrt localai --bundle``): Health answers at once,
+        LoadModel naming the same bundle waits for it."""
+        path = Path(bundle).expanduser()
+        config = LoadConfig(model="", candidates=(path,))
+        with self._lock:
+            self._start_locked(config, path.resolve(), identity="")
+
+    def close(self) -> None:
+        """Shutdown: free the model without waiting for a load in progress (its thread is a daemon)."""
+        with self._lock:
+            self._free_locked(wait=False)
+
+    def _settings(self, cfg: LoadConfig, bundle_dir: Path) -> ServerSettings:
+        from pydantic import ValidationError
+
+        d = self.defaults
+        given = {"bundle": bundle_dir, "device": cfg.device or d.device, "voices_dir": cfg.voices_dir or d.voices_dir,
+                 "max_streams": cfg.max_streams or d.max_streams,
+                 "threads": cfg.threads if cfg.threads is not None else d.threads,
+                 "max_context_rows": cfg.max_context_rows, "max_input_chars": cfg.max_input_chars,
+                 "max_voice_seconds": cfg.max_voice_seconds, "queue_timeout": cfg.queue_timeout, "verify": cfg.verify}
+        try:
+            return ServerSettings(**{k: v for k, v in given.items() if v is not None})
+        except ValidationError as e:
+            problems = "; ".join(f"{'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors()[:5])
+            raise _LoadFailed(f"invalid settings: {problems}") from None
+
+    def _start_locked(self, cfg: LoadConfig, bundle_dir: Path, identity: str) -> _Loaded:
+        """Replace the loaded model by ``bundle_dir`` (checked first: a bad bundle leaves the old model)."""
+        settings = self._settings(cfg, bundle_dir)
+        try:
+            bundle = Bundle(bundle_dir, device=settings.device, threads=settings.threads or None)
+            if settings.verify == "full":
+                log.info("verifying %d files of %s (sha256)", len(bundle.info.files), bundle_dir)
+                bundle.verify()
+        except EngineError as e:
+            raise _LoadFailed(str(e)) from None
+        self._free_locked()
+        try:
+            service = TTSService(settings, bundle)
+        except EngineError as e:            # the voices directory
+            raise _LoadFailed(str(e)) from None
+        log.info("loading %s (device %s)%s", bundle_dir, bundle.device,
+                 ": DEMO bundle, random weights, the audio is noise" if bundle.is_demo else "")
+        service.start()
+        self._loaded = _Loaded(service, bundle_dir, cfg, identity)
+        return self._loaded
+
+    def _free_locked(self, wait: bool = True) -> bool:
+        loaded, self._loaded = self._loaded, None
+        with self._voice_lock:
+            self._voice_cache.clear()
+        if loaded is None:
+            return False
+        service = loaded.service
+        if wait:
+            service.wait_ready(loaded.config.load_timeout)  # a load in progress finishes before it is undone
+        service.close()                                    # open streams get an error and end
+        del loaded, service                                # the last references: sessions and KV slots go
+        _release_heap()
+        log.info("model freed")
+        return True
+
+    def _bundle_dir(self, cfg: LoadConfig) -> Path:
+        """The bundle a LoadModel names: a bundle directory as is, ``demo``, or a checkpoint exported once
+        into the cache by the injected exporter."""
+        for cand in cfg.candidates:
+            if (cand / "manifest.json").is_file():
+                return cand.resolve()
+        if cfg.model == "demo" and self.demo_bundle is not None:
+            return Path(self.demo_bundle()).resolve()
+        source = next((c for c in cfg.candidates if c.is_dir()), None)
+        spec = str(source.resolve()) if source is not None else cfg.model
+        looked = ", ".join(str(c) for c in cfg.candidates)
+        hub_id = source is None and spec.count("/") == 1 and not spec.startswith((".", "/", "~"))
+        if source is None and not hub_id:
+            raise _LoadFailed(f"{cfg.model}: no such bundle or checkpoint directory (looked at {looked})")
+        if self.exporter is None:
+            raise _LoadFailed(f"{spec}: not a mossrt bundle (no manifest.json), and this server was started "
+                              "without a checkpoint exporter: write a bundle with 'mossrt export' and set "
+                              "parameters.model to its directory")
+        if not cfg.codec:
+            raise _LoadFailed(f"{spec}: not a mossrt bundle (no manifest.json). To export it as a MOSS-TTS-Realtime "
+                              "checkpoint, add the option \"codec:<MOSS-Audio-Tokenizer directory or hub id>\" "
+                              "(and \"tokenizer:<tokenizer.json>\" if the checkpoint has none)")
+        return self._export(cfg, spec, source)
+
+    def _cache_root(self, cfg: LoadConfig) -> Path:
+        if cfg.cache_dir:
+            return Path(cfg.cache_dir).expanduser()
+        if cfg.model_path:
+            return Path(cfg.model_path) / BACKEND_NAME / "bundles"
+        return Path.home() / ".cache" / "mossrt" / "localai-bundles"
+
+    def _export(self, cfg: LoadConfig, spec: str, source: Path | None) -> Path:
+        codec_path = Path(cfg.codec).expanduser()
+        codec_spec = str(codec_path.resolve()) if codec_path.exists() else cfg.codec
+        key_src = {"model": spec, "model_files": _dir_signature(source) if source else [], "codec": codec_spec,
+                   "codec_files": _dir_signature(codec_path) if codec_path.is_dir() else [],
+                   "tokenizer": cfg.tokenizer, "dtype": cfg.dtype, "codec_dtype": cfg.codec_dtype}
+        key = hashlib.sha256(json.dumps(key_src, sort_keys=True).encode()).hexdigest()[:16]
+        root = self._cache_root(cfg)
+        target = root / key
+        if (target / "manifest.json").is_file():
+            try:
+                Bundle(target, device="cpu")
+                log.info("using the bundle exported earlier: %s", target)
+                return target.resolve()
+            except EngineError as e:
+                log.warning("re-exporting %s (%s)", target, e)
+        tmp = root / f".{key}.tmp-{os.getpid()}"
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(tmp, ignore_errors=True)
+            log.info("exporting %s (codec %s, %s) into %s; this takes a while", spec, codec_spec, cfg.dtype, target)
+            t0 = time.monotonic()
+            self.exporter(spec, codec_spec, tmp, tokenizer=cfg.tokenizer, dtype=cfg.dtype, codec_dtype=cfg.codec_dtype)
+            shutil.rmtree(target, ignore_errors=True)
+            os.replace(tmp, target)                 # whole bundles only: a crash never leaves half of one
+            log.info("exported in %.1f s: %s", time.monotonic() - t0, target)
+        except Exception as e:  # noqa: BLE001 - CheckpointError, OSError, ...: LoadModel reports it
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise _LoadFailed(f"exporting {spec} failed: {type(e).__name__}: {e}") from None
+        return target.resolve()
+
+    # ------------------------------------------------------------------ RPCs: lifecycle
+    def Health(self, request, context):
+        return pb.Reply(message=b"OK")
+
+    def LoadModel(self, request, context):
+        try:
+            cfg = load_config(request)
+            with self._lock:
+                bundle_dir = self._bundle_dir(cfg)
+                message = self._load_locked(cfg, bundle_dir)
+        except (OptionError, _LoadFailed) as e:
+            log.error("LoadModel failed: %s", e)
+            return pb.Result(success=False, message=str(e))
+        except Exception as e:  # noqa: BLE001 - LocalAI shows the message; the process stays up
+            log.exception("LoadModel failed")
+            return pb.Result(success=False, message=f"{type(e).__name__}: {e}")
+        log.info("%s", message)
+        return pb.Result(success=True, message=message)
+
+    def _load_locked(self, cfg: LoadConfig, bundle_dir: Path) -> str:
+        loaded = self._loaded
+        note = ""
+        if loaded is not None and loaded.bundle_dir == bundle_dir:
+            loaded.service.wait_ready(cfg.load_timeout)
+            if loaded.service.state == "ready":
+                differ = sorted(k for k in cfg.explicit if getattr(cfg, k) != getattr(loaded.config, k))
+                if differ:
+                    note = (f"; options {', '.join(differ)} differ from the running model's and are not applied "
+                            "(Free it first to reload with them)")
+                # the identity, default voice and model path follow the LoadModel that now owns the model
+                loaded.config = replace(loaded.config, model=cfg.model, model_path=cfg.model_path,
+                                        audio_path=cfg.audio_path, default_voice=cfg.default_voice)
+                loaded.identity = cfg.model
+                return f"{bundle_dir} is already loaded{note}"
+            if loaded.service.state == "loading":
+                raise _LoadFailed(f"{bundle_dir} is still loading after {cfg.load_timeout:g} s (option load_timeout)")
+        loaded = self._start_locked(cfg, bundle_dir, identity=cfg.model)
+        service = loaded.service
+        if not service.wait_ready(cfg.load_timeout):
+            if service.state == "failed":
+                error = service.error
+                self._free_locked()
+                raise _LoadFailed(f"loading {bundle_dir} failed: {error}")
+            raise _LoadFailed(f"{bundle_dir} is still loading after {cfg.load_timeout:g} s (option load_timeout); "
+                              "it goes on in the background")
+        sched = service.scheduler
+        return (f"loaded {bundle_dir}: device {service.bundle.device}, {sched.capacity} stream slots of "
+                f"{service.limits.max_context_rows} context rows"
+                + (" (DEMO bundle: random weights, the audio is noise)" if service.bundle.is_demo else ""))
+
+    def Free(self, request, context):
+        try:
+            with self._lock:
+                freed = self._free_locked()
+        except Exception as e:  # noqa: BLE001
+            log.exception("Free failed")
+            return pb.Result(success=False, message=f"{type(e).__name__}: {e}")
+        return pb.Result(success=True, message="model freed" if freed else "no model was loaded")
+
+    def Status(self, request, context):
+        loaded = self._loaded
+        rss = rss_bytes()
+        breakdown = {"rss": rss}
+        if loaded is None:
+            state = pb.StatusResponse.UNINITIALIZED
+        else:
+            service = loaded.service
+            sched = service.scheduler
+            if service.state == "ready" and sched is not None:
+                stats = sched.stats()
+                breakdown["stream_slots"] = stats.capacity * stats.bytes_per_stream
+                state = pb.StatusResponse.BUSY if stats.generating else pb.StatusResponse.READY
+            elif service.state == "failed":
+                state = pb.StatusResponse.ERROR
+            else:
+                state = pb.StatusResponse.BUSY       # loading
+        return pb.StatusResponse(state=state, memory=pb.MemoryUsageData(total=rss, breakdown=breakdown))
+
+    # ------------------------------------------------------------------ RPCs: speech
+    @_unary
+    def TTS(self, request, context):
+        loaded = self._require_loaded(request)
+        job = self._prepare(loaded, request)
+        dst = self._check_dst(request.dst)
+        encoder = StreamEncoder("pcm", job.sample_rate, job.speed)
+        pcm = bytearray()
+        frames = 0
+        for audio in self._frames(loaded, job, context, "TTS"):
+            frames += 1
+            pcm += encoder.write(audio)
+        pcm += encoder.close()
+        samples = np.frombuffer(bytes(pcm), dtype="<i2")
+        self._write_wav(dst, samples, job.sample_rate)
+        return pb.Result(success=True, message=f"{frames} frames, {samples.size / job.sample_rate:.2f} s -> {dst}")
+
+    @_streaming
+    def TTSStream(self, request, context):
+        loaded = self._require_loaded(request)
+        job = self._prepare(loaded, request)
+        encoder = StreamEncoder("pcm", job.sample_rate, job.speed)
+        frames = self._frames(loaded, job, context, "TTSStream")
+        try:
+            first = next(frames, None)           # the turn is admitted (or failed) before any reply is sent
+            yield pb.Reply(message=json.dumps({"sample_rate": job.sample_rate}).encode())
+            if first is None:
+                return
+            data = encoder.write(first)
+            if data:
+                yield pb.Reply(audio=data)
+            for audio in frames:
+                data = encoder.write(audio)
+                if data:
+                    yield pb.Reply(audio=data)
+            tail = encoder.close()
+            if tail:
+                yield pb.Reply(audio=tail)
+        finally:
+            frames.close()
+
+    # ------------------------------------------------------------------ request plumbing
+    def _require_loaded(self, request) -> _Loaded:
+        loaded = self._loaded
+        if loaded is None:
+            raise _Abort(grpc.StatusCode.FAILED_PRECONDITION, "no model is loaded: call LoadModel first")
+        state = loaded.service.state
+        if state == "loading":
+            raise _Abort(grpc.StatusCode.UNAVAILABLE, "the model is still loading; retry shortly")
+        if state == "failed":
+            raise _Abort(grpc.StatusCode.FAILED_PRECONDITION, f"the model failed to load: {loaded.service.error}")
+        if state != "ready":
+            raise _Abort(grpc.StatusCode.UNAVAILABLE, "the model is being unloaded")
+        wanted = getattr(request, "ModelIdentity", "")
+        if wanted and loaded.identity and wanted != loaded.identity:
+            raise _Abort(grpc.StatusCode.NOT_FOUND, f"{MODEL_MISMATCH_SENTINEL}: loaded {loaded.identity!r}, "
+                                                    f"requested {wanted!r}")
+        return loaded
+
+    def _prepare(self, loaded: _Loaded, request) -> _Job:
+        service = loaded.service
+        model = service.model
+        text = request.text
+        try:
+            service.limits.check_text_chars(text)
+        except InputError as e:
+            raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, f"text: {e}") from None
+        p: TTSParams = parse_tts_params(request.params)
+        if p.ignored:
+            log.debug("ignoring params %s", ", ".join(p.ignored))
+        try:
+            max_frames = service.limits.check_max_frames(p.max_frames)
+        except InputError as e:
+            raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, f"params['max_frames']: {e}") from None
+        params = service.sampling(SamplingFields(seed=p.seed, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k,
+                                                 repetition_penalty=p.repetition_penalty,
+                                                 repetition_window=p.repetition_window, greedy=p.greedy))
+        voice = self._voice(loaded, request.voice)
+        try:
+            ids = model.tokenizer.encode(text)
+            prompt_rows = len(model.prompt.turn_prompt(True, voice))
+            service.limits.check_turn_fits(len(ids), prompt_rows, 0, model.layout.text_lead,
+                                           max_frames or service.limits.default_max_frames(len(ids)))
+        except InputError as e:
+            raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, f"text: {e}") from None
+        return _Job(ids=ids, voice=voice, params=params, seed=p.seed, max_frames=max_frames, speed=p.speed,
+                    sample_rate=model.codec.sample_rate)
+
+    def _voice(self, loaded: _Loaded, requested: str) -> np.ndarray | None:
+        """``""`` -> the default voice (option ``voice``, else ModelOptions.AudioPath, else the model's own);
+        ``default`` / OpenAI names -> the model's own; a registered voice's name or id; a reference file."""
+        service = loaded.service
+        key = requested.strip() or loaded.config.default_voice or loaded.config.audio_path
+        if not key or key.lower() in (DEFAULT_VOICE, *OPENAI_VOICES):
+            return None
+        if service.voices.find(key) is None:
+            path = self._voice_file(loaded, key)
+            if path is not None:
+                return self._voice_from_file(service, path)
+        try:
+            return service.resolve_voice(key)
+        except ApiError as e:
+            if e.code == "voice_not_found":
+                raise _Abort(grpc.StatusCode.INVALID_ARGUMENT,
+                             f"unknown voice {key!r}: not a voice registered in {service.voices.dir} and not a "
+                             "reference audio file; use '' or 'default' (the model's own voice), a registered "
+                             "voice's name or id, or the path of a reference audio file") from None
+            raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, f"voice {key!r}: {e.message}") from None
+
+    @staticmethod
+    def _voice_file(loaded: _Loaded, key: str) -> Path | None:
+        path = Path(key).expanduser()
+        candidates = [path]
+        if not path.is_absolute() and loaded.config.model_path:
+            candidates.insert(0, Path(loaded.config.model_path) / path)
+        return next((c for c in candidates if c.is_file()), None)
+
+    def _voice_from_file(self, service: TTSService, path: Path) -> np.ndarray:
+        """A reference audio file -> prompt codes (read within the voice length limit, encoded once per
+        file version: later requests reuse the codes)."""
+        try:
+            st = path.stat()
+            cache_key = (str(path.resolve()), st.st_mtime_ns, st.st_size, service.bundle.identity)
+        except OSError as e:
+            raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, f"voice {str(path)!r}: {e.strerror}") from None
+        with self._voice_lock:
+            if cache_key in self._voice_cache:
+                self._voice_cache.move_to_end(cache_key)
+                return self._voice_cache[cache_key]
+        try:
+            wav = read_reference_audio(path, service.limits, what=f"voice {str(path)!r}")
+            codes = resolve_voice(service.model, service.limits, wav=wav, what=f"voice {str(path)!r}")
+        except InputError as e:
+            raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+        with self._voice_lock:
+            self._voice_cache[cache_key] = codes
+            while len(self._voice_cache) > VOICE_CACHE_ENTRIES:
+                self._voice_cache.popitem(last=False)
+        return codes
+
+    def _frames(self, loaded: _Loaded, job: _Job, context, rpc: str) -> Iterator[np.ndarray]:
+        """Each generated frame's audio (float32, 1920 samples) as the scheduler delivers it.
+
+        Cancellation: a callback registered on the RPC cancels the engine's turn and closes the stream the
+        moment gRPC sees the client go (cancel, deadline, disconnect), whichever thread this one is in; the
+        loop notices within EVENT_POLL_SECONDS and ends with CANCELLED. The stream is closed however the
+        loop ends (its KV slot freed at the next step boundary)."""
+        service = loaded.service
+        handle = service.open_stream(job.voice, job.params, job.seed, QueueSink())
+        gone = threading.Event()          # the client went away
+        finished = threading.Event()      # the turn ended normally (or this generator is done)
+
+        def on_rpc_done():
+            if not finished.is_set():
+                gone.set()
+                try:
+                    handle.cancel()
+                except EngineError:
+                    pass
+            handle.close()
+
+        frames = 0
+        t0 = time.monotonic()
+        try:
+            if context is not None and not context.add_callback(on_rpc_done):
+                raise _Abort(grpc.StatusCode.CANCELLED, "the client went away")
+            wait = service.settings.queue_timeout
+            left = context.time_remaining() if context is not None else None
+            if left is not None:
+                wait = max(0.0, min(wait, left))
+            handle.begin_turn(max_frames=job.max_frames, wait=wait)
+            handle.push_token_ids(job.ids)
+            handle.end_text()
+            while True:
+                if gone.is_set() or (context is not None and not context.is_active()):
+                    gone.set()
+                    raise _Abort(grpc.StatusCode.CANCELLED, "cancelled by the client")
+                try:
+                    event = handle.get(timeout=EVENT_POLL_SECONDS)
+                except queue.Empty:
+                    continue
+                if isinstance(event, FrameEvent):
+                    if event.frame.audio is not None:
+                        frames += 1
+                        yield event.frame.audio
+                elif isinstance(event, StreamError):
+                    if self._loaded is not loaded:
+                        raise _Abort(grpc.StatusCode.UNAVAILABLE, "the model was unloaded (Free) during the request")
+                    raise event.error
+                elif isinstance(event, TurnEnd):
+                    if event.stats.finish_reason == FinishReason.CANCELLED or gone.is_set():
+                        gone.set()
+                        raise _Abort(grpc.StatusCode.CANCELLED, "cancelled by the client")
+                    finished.set()
+                    log.info("%s: %d frames (%s) in %.2f s", rpc, frames,
+                             event.stats.finish_reason.value if event.stats.finish_reason else "done",
+                             time.monotonic() - t0)
+                    return
+        except GeneratorExit:
+            gone.set()
+            raise
+        finally:
+            finished.set()
+            handle.close()
+            if gone.is_set():
+                log.info("%s: cancelled by the client after %d frames; stream closed", rpc, frames)
+
+    @staticmethod
+    def _check_dst(dst: str) -> Path:
+        if not dst.strip():
+            raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, "dst: the output WAV path is empty")
+        path = Path(dst).expanduser()
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, f"dst {dst!r}: cannot create its folder: "
+                                                           f"{e.strerror or e}") from None
+        if path.is_dir() or not os.access(path.parent, os.W_OK):
+            raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, f"dst {dst!r}: not a writable file path")
+        return path
+
+    @staticmethod
+    def _write_wav(dst: Path, samples: np.ndarray, sample_rate: int) -> None:
+        """A 16-bit mono PCM WAV with real sizes, written beside ``dst`` then renamed over it."""
+        import soundfile as sf
+
+        tmp = dst.with_name(f".{dst.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+        try:
+            sf.write(str(tmp), samples, sample_rate, subtype="PCM_16", format="WAV")
+            os.replace(tmp, dst)
+        except Exception as e:
+            tmp.unlink(missing_ok=True)
+            raise _Abort(grpc.StatusCode.INTERNAL, f"dst {str(dst)!r}: writing the WAV failed: {e}") from None
+
+
+# ---------------------------------------------------------------------------------------------- serving
+def build_server(addr: str, backend: MossTTSBackend, max_workers: int | None = None,
+                 interceptors: list[grpc.ServerInterceptor] | None = None) -> tuple[grpc.Server, int]:
+    """The gRPC server (not started) and the port it bound."""
+    workers = max_workers or max_workers_from_env()
+    server = grpc.server(
+        ThreadPoolExecutor(max_workers=workers, thread_name_prefix="localai-grpc"),
+        options=[("grpc.max_message_length", MAX_MESSAGE_BYTES),
+                 ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                 ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)],
+        interceptors=interceptors_from_env() if interceptors is None else interceptors)
+    pb_grpc.add_BackendServicer_to_server(backend, server)
+    try:
+        port = server.add_insecure_port(addr)
+    except RuntimeError as e:
+        raise OSError(f"cannot listen on {addr}: {e}") from None
+    if port == 0:
+        raise OSError(f"cannot listen on {addr}")
+    return server, port
+
+
+def serve(addr: str, *, bundle: str | Path | None = None, exporter: Exporter | None = None,
+          demo_bundle: Callable[[], Path] | None = None, defaults: ServerDefaults | None = None,
+          max_workers: int | None = None, grace: float = DEFAULT_GRACE_SECONDS) -> None:
+    """Serve until SIGTERM/SIGINT (call from the main thread), then stop gracefully: running calls get
+    ``grace`` seconds, the rest are cancelled, and the model is freed."""
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    backend = MossTTSBackend(defaults, exporter=exporter, demo_bundle=demo_bundle)
+    server, port = build_server(addr, backend, max_workers)
+    stop = threading.Event()
+    previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        server.start()
+        log.info("%s backend listening on %s (port %d, %d workers%s)", BACKEND_NAME, addr, port,
+                 max_workers or max_workers_from_env(), ", bearer token required" if os.environ.get(AUTH_ENV) else "")
+        if bundle is not None:
+            try:
+                backend.preload(bundle)
+            except _LoadFailed as e:
+                log.error("loading %s failed: %s (LoadModel can load another)", bundle, e)
+        while not stop.wait(0.5):
+            pass
+        log.info("stopping: running calls get %.0f s", grace)
+        server.stop(grace).wait()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        backend.close()

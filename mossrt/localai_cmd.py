@@ -1,0 +1,57 @@
+"""``mossrt localai``: LocalAI's gRPC backend ``moss-tts-realtime``. Composes ``export`` (the checkpoint
+exporter LoadModel may need, and the demo bundle) with ``app.localai`` (the server, which never imports
+``export`` itself)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from .commands import CliError, cmd_export, ensure_demo_bundle
+
+
+def export_checkpoint(model: str, codec: str, out_dir: Path, *, tokenizer: str | None = None, dtype: str = "fp32",
+                      codec_dtype: str | None = None) -> None:
+    """The exporter injected into the server: exactly what ``mossrt export`` does."""
+    cmd_export(argparse.Namespace(model=model, codec=codec, tokenizer=tokenizer, out=str(out_dir), dtype=dtype,
+                                  codec_dtype=codec_dtype))
+
+
+def cmd_localai(args) -> None:
+    from app.localai import ServerDefaults, serve
+
+    if args.bundle is not None and not (Path(args.bundle) / "manifest.json").is_file():
+        raise CliError(f"--bundle {args.bundle}: not a bundle (no manifest.json); create one with 'mossrt export'")
+    if args.grace < 0:
+        raise CliError(f"--grace must be >= 0, got {args.grace}")
+    defaults = ServerDefaults(voices_dir=args.voices_dir, max_streams=args.max_streams, device=args.device,
+                              threads=args.threads)
+    try:
+        serve(args.addr, bundle=args.bundle, exporter=export_checkpoint, demo_bundle=ensure_demo_bundle,
+              defaults=defaults, grace=args.grace)
+    except ValueError as e:                      # PYTHON_GRPC_MAX_WORKERS
+        raise CliError(str(e)) from None
+
+
+def add_localai_parser(sub, runtime_flags, int_in) -> None:
+    from .argtypes import finite_float
+
+    lp = sub.add_parser("localai", help="LocalAI gRPC backend 'moss-tts-realtime' (TTS and streamed TTSStream)",
+                        description="Serve LocalAI's Backend gRPC service. LocalAI starts it with --addr; "
+                                    "LoadModel names the bundle unless --bundle loads one at start. Environment: "
+                                    "LOCALAI_GRPC_AUTH_TOKEN (require this bearer token), PYTHON_GRPC_MAX_WORKERS "
+                                    "(concurrent calls, default 4).")
+    lp.add_argument("--addr", default="localhost:50051", help="HOST:PORT to listen on (LocalAI appends it; "
+                                                              "default localhost:50051)")
+    lp.add_argument("--bundle", help="bundle directory to load at start (default: wait for LoadModel)")
+    lp.add_argument("--voices-dir", help="registered voices (default: MOSSRT_VOICES_DIR, else "
+                                         "~/.local/share/mossrt/voices); the model option voices_dir overrides it")
+    lp.add_argument("--max-streams", type=int_in(1, 1024), help="concurrent streams, i.e. KV slots (default: what "
+                                                                "half the free memory holds); option max_streams")
+    lp.add_argument("--grace", type=finite_float, default=5.0, help="seconds running calls may finish after "
+                                                                    "SIGTERM/SIGINT (default 5)")
+    runtime_flags(lp)
+    for action in lp._actions:                   # device/threads: LoadModel's options and CUDA flag decide first
+        if action.dest in ("device", "threads"):
+            action.default = None
+    lp.set_defaults(func=cmd_localai)

@@ -1,0 +1,389 @@
+"""The LocalAI gRPC backend (``mossrt localai``) as a real process on loopback, driven through the
+committed generated stubs: Health, LoadModel (bundle, bad options, checkpoint export), TTS to a WAV,
+TTSStream against ``mossrt synth``, cancellation, bad requests, voices, Status, Free, bearer auth."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+import soundfile as sf
+
+from app.localai import backend_pb2 as pb
+from app.localai import backend_pb2_grpc as pb_grpc
+from conftest import GOLDEN, TEST_DEVICE, golden
+from service_helpers import free_port
+
+TEXT = ("Welcome to the world of MOSS TTS Realtime. Experience how text transforms into smooth, "
+        "human-like speech in real time, one small step after another.")
+LONG_TEXT = " ".join(["The quick brown fox jumps over the lazy dog, and the model keeps on talking."] * 12)
+PCM_TOLERANCE = 4          # int16 steps: float32 round-off between batched and solo decodes, then rounding
+RPC_TIMEOUT = 60
+# LocalAI's backend/backend.proto at the commit the spec names (ecosystem.md: git blob 7be3d5a4)
+UPSTREAM_PROTO_SHA256 = "6cd3c2259e329bbd45e6faf638abb745e4cdbfc7973a928ce9d42eb78eb7e24c"
+TOKEN = "test-token-0123456789"
+
+
+class Backend:
+    """``mossrt localai`` in a subprocess; ``stop()`` sends SIGTERM and returns the exit status."""
+
+    def __init__(self, log_path: Path, *flags: str, env: dict | None = None):
+        self.port = free_port()
+        self.addr = f"127.0.0.1:{self.port}"
+        self.log_path = log_path
+        self._log = open(log_path, "w")
+        self.proc = subprocess.Popen([sys.executable, "-m", "mossrt.cli", "localai", "--addr", self.addr,
+                                      "--device", TEST_DEVICE, *flags], stdout=self._log, stderr=subprocess.STDOUT,
+                                     env={**os.environ, **(env or {})})
+        self.channel = grpc.insecure_channel(self.addr)
+        self.stub = pb_grpc.BackendStub(self.channel)
+
+    def wait_listening(self, timeout: float = 60) -> "Backend":
+        try:
+            grpc.channel_ready_future(self.channel).result(timeout=timeout)
+        except grpc.FutureTimeoutError:
+            raise RuntimeError(f"backend not listening after {timeout} s (exit {self.proc.poll()}):\n{self.log()}")
+        return self
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def wait_log(self, pattern: str, timeout: float = 10) -> re.Match:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            m = re.search(pattern, self.log())
+            if m:
+                return m
+            time.sleep(0.05)
+        raise AssertionError(f"{pattern!r} not in the backend log:\n{self.log()[-3000:]}")
+
+    def stop(self, timeout: float = 30) -> int:
+        self.channel.close()
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+        return self.proc.returncode
+
+
+def rpc_error(call, *args, **kwargs) -> grpc.RpcError:
+    """The error a call ends with (a streaming call is read to its end)."""
+    kwargs.setdefault("timeout", RPC_TIMEOUT)
+    with pytest.raises(grpc.RpcError) as info:
+        result = call(*args, **kwargs)
+        if hasattr(result, "__next__"):        # a streaming call fails while it is read
+            list(result)
+    return info.value
+
+
+def pcm16(data: bytes) -> np.ndarray:
+    return np.frombuffer(data, "<i2").astype(np.int32)
+
+
+def synth_reference(tmp_path: Path, bundle: Path, text: str, *flags: str) -> np.ndarray:
+    """``mossrt synth --greedy`` as int16 steps (its float WAV converted as the service converts)."""
+    out = tmp_path / "synth.wav"
+    proc = subprocess.run([sys.executable, "-m", "mossrt.cli", "synth", "--bundle", str(bundle), "--text", text,
+                           "--out", str(out), "--greedy", "--device", TEST_DEVICE, *flags],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    wav = sf.read(out, dtype="float32")[0]
+    return np.rint(np.clip(wav, -1, 1) * 32767).astype(np.int32)
+
+
+def stream(stub, text: str, **fields) -> tuple[list, bytes]:
+    replies = list(stub.TTSStream(pb.TTSRequest(text=text, **fields), timeout=RPC_TIMEOUT))
+    return replies, b"".join(r.audio for r in replies[1:])
+
+
+@pytest.fixture(scope="module")
+def backend(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("localai")
+    b = Backend(tmp / "backend.log").wait_listening()
+    b.voices_dir = tmp / "voices"
+    try:
+        yield b
+    finally:
+        status = b.stop()
+        assert status == 0, b.log()[-3000:]
+
+
+def load(backend, bundle: Path, *options: str) -> pb.Result:
+    return backend.stub.LoadModel(pb.ModelOptions(
+        Model=str(bundle), Options=["max_streams:1", "queue_timeout:3", f"voices_dir:{backend.voices_dir}",
+                                    *options]), timeout=RPC_TIMEOUT)
+
+
+@pytest.fixture
+def loaded(backend, full_bundle_dir):
+    """The backend with the test bundle loaded (LoadModel is idempotent: 'already loaded' costs nothing).
+    One stream slot and a 3 s queue timeout: a stream left open would show as RESOURCE_EXHAUSTED."""
+    r = load(backend, full_bundle_dir)
+    assert r.success, r.message
+    return backend
+
+
+# ---------------------------------------------------------------------------------------------- stubs
+def test_generated_stubs_are_current(tmp_path):
+    """The committed backend_pb2*.py are what protoc makes of the committed (upstream, verbatim) proto."""
+    from app.localai import protogen
+
+    assert hashlib.sha256(protogen.PROTO.read_bytes()).hexdigest() == UPSTREAM_PROTO_SHA256
+    protogen.generate(tmp_path)
+    committed = {name: (protogen.HERE / name).read_text(encoding="utf-8") for name in protogen.MODULES}
+    fresh = {name: (tmp_path / name).read_text(encoding="utf-8") for name in protogen.MODULES}
+    assert protogen.PACKAGE_IMPORT in committed["backend_pb2_grpc.py"]
+    generated_with = re.search(r"GRPC_GENERATED_VERSION = '([^']+)'", committed["backend_pb2_grpc.py"]).group(1)
+    if importlib.metadata.version("grpcio-tools") == generated_with:
+        assert fresh == committed, "stale stubs: run 'python -m app.localai.protogen'"
+    else:       # another grpcio-tools stamps other version floors: compare what the proto decides
+        def descriptor(src):
+            return re.search(r"AddSerializedFile\((b'.*?')\)\n", src, re.S).group(1)
+
+        def methods(src):
+            return sorted(set(re.findall(r"'/backend\.Backend/(\w+)'", src)))
+
+        assert descriptor(fresh["backend_pb2.py"]) == descriptor(committed["backend_pb2.py"])
+        assert methods(fresh["backend_pb2_grpc.py"]) == methods(committed["backend_pb2_grpc.py"])
+
+
+# ---------------------------------------------------------------------------------------------- lifecycle
+def test_health_answers_exactly_ok(backend):
+    assert backend.stub.Health(pb.HealthMessage(), timeout=RPC_TIMEOUT).message == b"OK"
+
+
+def test_speech_before_load_model_is_a_failed_precondition(backend, tmp_path):
+    assert backend.stub.Free(pb.HealthMessage(), timeout=RPC_TIMEOUT).success       # whatever ran before
+    for call, req in ((backend.stub.TTS, pb.TTSRequest(text=TEXT, dst=str(tmp_path / "x.wav"))),
+                      (backend.stub.TTSStream, pb.TTSRequest(text=TEXT))):
+        err = rpc_error(call, req)
+        assert err.code() == grpc.StatusCode.FAILED_PRECONDITION and "LoadModel" in err.details()
+    assert backend.stub.Status(pb.HealthMessage(), timeout=RPC_TIMEOUT).state == pb.StatusResponse.UNINITIALIZED
+
+
+def test_load_model(backend, full_bundle_dir, tmp_path):
+    assert backend.stub.Free(pb.HealthMessage(), timeout=RPC_TIMEOUT).success
+    bad = load(backend, full_bundle_dir, "temperature:0.5")
+    assert not bad.success and "unknown option 'temperature'" in bad.message
+    bad = load(backend, full_bundle_dir, "max_streams:2")
+    assert not bad.success and "option 'max_streams' is given twice" in bad.message
+    bad = backend.stub.LoadModel(pb.ModelOptions(Model=str(full_bundle_dir), Options=["threads:abc"]),
+                                 timeout=RPC_TIMEOUT)
+    assert not bad.success and "option threads: expected an integer" in bad.message
+    missing = backend.stub.LoadModel(pb.ModelOptions(Model=str(tmp_path / "nothing")), timeout=RPC_TIMEOUT)
+    assert not missing.success and "no such bundle or checkpoint" in missing.message
+    no_codec = backend.stub.LoadModel(pb.ModelOptions(Model=str(GOLDEN / "checkpoints" / "tts")), timeout=RPC_TIMEOUT)
+    assert not no_codec.success and "codec:" in no_codec.message
+
+    ok = load(backend, full_bundle_dir)
+    assert ok.success, ok.message
+    assert "1 stream slots" in ok.message
+    # LocalAI's layout: ModelPath = the models directory, Model relative to it
+    again = backend.stub.LoadModel(pb.ModelOptions(Model=full_bundle_dir.name, ModelPath=str(full_bundle_dir.parent)),
+                                   timeout=RPC_TIMEOUT)
+    assert again.success and "already loaded" in again.message
+
+
+def test_tts_writes_a_24khz_mono_16bit_wav(loaded, backend, tmp_path):
+    dst = tmp_path / "audio" / "tts-1.wav"          # LocalAI's generated-content folder may not exist yet
+    r = backend.stub.TTS(pb.TTSRequest(text=TEXT, dst=str(dst), voice="", language="en",
+                                       instructions="speak slowly", params={"greedy": "true", "ref_text": "x"}),
+                         timeout=RPC_TIMEOUT)
+    assert r.success, r.message
+    info = sf.info(dst)
+    assert (info.samplerate, info.channels, info.subtype, info.format) == (24000, 1, "PCM_16", "WAV")
+    normal, _ = sf.read(dst, dtype="int16")
+    assert normal.size > 0 and normal.size % 1920 == 0
+    fast = tmp_path / "fast.wav"
+    assert backend.stub.TTS(pb.TTSRequest(text=TEXT, dst=str(fast), params={"greedy": "true", "speed": "2.0"}),
+                            timeout=RPC_TIMEOUT).success
+    assert abs(sf.info(fast).frames / normal.size - 0.5) < 0.05
+
+
+def test_stream_equals_synth(loaded, backend, tmp_path, full_bundle_dir):
+    replies, pcm = stream(backend.stub, TEXT, params={"greedy": "true", "seed": "1"})
+    assert json.loads(replies[0].message) == {"sample_rate": 24000} and not replies[0].audio
+    assert all(r.audio and not r.message for r in replies[1:])
+    assert len(replies) > 3                          # chunks as frames come, not one buffer at the end
+    got, ref = pcm16(pcm), synth_reference(tmp_path, full_bundle_dir, TEXT)
+    assert got.shape == ref.shape and np.abs(got - ref).max() <= PCM_TOLERANCE
+
+
+def test_cancelled_stream_is_closed_in_the_engine(loaded, backend, tmp_path):
+    """Cancel after the first chunks: the client sees CANCELLED, the engine stream is cancelled and closed
+    (with max_streams:1 the next request gets the only slot, not RESOURCE_EXHAUSTED), the server is fine."""
+    call = backend.stub.TTSStream(pb.TTSRequest(text=LONG_TEXT, params={"greedy": "true"}), timeout=RPC_TIMEOUT)
+    replies = iter(call)
+    assert json.loads(next(replies).message) == {"sample_rate": 24000}
+    next(replies), next(replies)
+    call.cancel()
+    with pytest.raises(grpc.RpcError) as info:
+        for _ in replies:
+            pass
+    assert info.value.code() == grpc.StatusCode.CANCELLED
+    frames = int(backend.wait_log(r"TTSStream: cancelled by the client after (\d+) frames").group(1))
+    assert frames < 150                              # LONG_TEXT runs ~200 frames: it stopped early
+    assert backend.stub.Health(pb.HealthMessage(), timeout=RPC_TIMEOUT).message == b"OK"
+    r = backend.stub.TTS(pb.TTSRequest(text=TEXT, dst=str(tmp_path / "after.wav"), params={"greedy": "true"}),
+                         timeout=RPC_TIMEOUT)
+    assert r.success, r.message
+
+
+@pytest.mark.parametrize("fields,words", [
+    ({"text": ""}, "text is empty"),
+    ({"text": "   "}, "text is empty"),
+    ({"text": TEXT, "voice": "no-such-voice"}, "unknown voice 'no-such-voice'"),
+    ({"text": TEXT, "params": {"temperature": "abc"}}, "params['temperature']: expected a number"),
+    ({"text": TEXT, "params": {"greedy": "maybe"}}, "params['greedy']"),
+    ({"text": TEXT, "params": {"max_frames": "0"}}, "max_frames"),
+    ({"text": TEXT, "params": {"top_p": "1.5"}}, "top_p"),
+    ({"text": TEXT, "params": {"seed": "-3"}}, "seed"),
+    ({"text": TEXT, "params": {"speed": "9"}}, "params['speed']"),
+    ({"text": "x" * 5000}, "limit is 4096"),
+])
+def test_bad_requests_are_invalid_argument(loaded, backend, tmp_path, fields, words):
+    for call, req in ((backend.stub.TTSStream, pb.TTSRequest(**fields)),
+                      (backend.stub.TTS, pb.TTSRequest(dst=str(tmp_path / "bad.wav"), **fields))):
+        err = rpc_error(call, req)
+        assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and words in err.details(), err.details()
+    assert not (tmp_path / "bad.wav").exists()
+
+
+def test_tts_without_dst_and_other_model_identity(loaded, backend):
+    err = rpc_error(backend.stub.TTS, pb.TTSRequest(text=TEXT))
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "dst" in err.details()
+    # LocalAI's distributed-mode guard: a request for another model is refused with its sentinel
+    err = rpc_error(backend.stub.TTSStream, pb.TTSRequest(text=TEXT, ModelIdentity="some-other-model"))
+    assert err.code() == grpc.StatusCode.NOT_FOUND and "model identity mismatch" in err.details()
+
+
+def test_voices_by_registered_name_and_by_reference_file(loaded, backend, tmp_path, full_bundle_dir):
+    from engine.bundle import Bundle
+    from engine.voices import VoiceRegistry
+
+    codes = np.random.default_rng(0).integers(0, 1024, size=(20, 16))
+    VoiceRegistry(backend.voices_dir, Bundle(full_bundle_dir, device="cpu").identity).add("narrator", codes)
+    _, by_name = stream(backend.stub, TEXT, voice="narrator", params={"greedy": "true"})
+    _, default = stream(backend.stub, TEXT, voice="default", params={"greedy": "true"})
+    assert by_name and by_name != default
+
+    ref = tmp_path / "ref.wav"
+    sf.write(ref, golden("codec/codec_short.npz")["wav"], 24000)
+    _, by_file = stream(backend.stub, TEXT, voice=str(ref), params={"greedy": "true"})
+    expect = synth_reference(tmp_path, full_bundle_dir, TEXT, "--voice", str(ref))
+    got = pcm16(by_file)
+    assert got.shape == expect.shape and np.abs(got - expect).max() <= PCM_TOLERANCE
+
+
+def test_status_ready_with_memory(loaded, backend):
+    status = backend.stub.Status(pb.HealthMessage(), timeout=RPC_TIMEOUT)
+    assert status.state == pb.StatusResponse.READY
+    assert status.memory.total > 0 and status.memory.breakdown["rss"] == status.memory.total
+    assert status.memory.breakdown["stream_slots"] > 0
+
+
+def test_free_unloads_the_model(loaded, backend, tmp_path):
+    r = backend.stub.Free(pb.HealthMessage(), timeout=RPC_TIMEOUT)
+    assert r.success, r.message
+    err = rpc_error(backend.stub.TTS, pb.TTSRequest(text=TEXT, dst=str(tmp_path / "x.wav")))
+    assert err.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert backend.stub.Status(pb.HealthMessage(), timeout=RPC_TIMEOUT).state == pb.StatusResponse.UNINITIALIZED
+
+
+def test_load_model_exports_a_checkpoint_once(backend, tmp_path):
+    """parameters.model = a Hugging Face checkpoint: exported (by the exporter the CLI injects) into the
+    cache once, then served; a second LoadModel reuses the export."""
+    from export.demo import TOKENIZER_JSON
+
+    cache = tmp_path / "cache"
+    options = [f"codec:{GOLDEN / 'checkpoints' / 'codec'}", f"tokenizer:{TOKENIZER_JSON}", f"cache_dir:{cache}"]
+    r = load(backend, GOLDEN / "checkpoints" / "tts", *options)
+    assert r.success, r.message
+    exported = [p for p in cache.iterdir()]
+    assert len(exported) == 1 and (exported[0] / "manifest.json").is_file() and "already" not in r.message
+    _, pcm = stream(backend.stub, TEXT, params={"greedy": "true"})
+    assert len(pcm) > 0
+    assert backend.stub.Free(pb.HealthMessage(), timeout=RPC_TIMEOUT).success
+    again = load(backend, GOLDEN / "checkpoints" / "tts", *options)
+    assert again.success and list(cache.iterdir()) == exported
+    backend.wait_log("using the bundle exported earlier")
+    assert backend.stub.Free(pb.HealthMessage(), timeout=RPC_TIMEOUT).success
+
+
+def test_without_an_exporter_a_checkpoint_is_refused_clearly():
+    """app.localai never imports export: a server built without the injected exporter says what to do."""
+    from app.localai import MossTTSBackend
+
+    r = MossTTSBackend(exporter=None).LoadModel(pb.ModelOptions(
+        Model=str(GOLDEN / "checkpoints" / "tts"), Options=[f"codec:{GOLDEN / 'checkpoints' / 'codec'}"]), None)
+    assert not r.success and "without a checkpoint exporter" in r.message and "mossrt export" in r.message
+
+
+def test_bundle_given_at_start_is_loaded_before_load_model(tmp_path, full_bundle_dir):
+    """--bundle: Health answers at once, the model loads in the background (Status BUSY, then READY), and
+    LocalAI's LoadModel naming the same bundle only checks it."""
+    b = Backend(tmp_path / "preload.log", "--bundle", str(full_bundle_dir), "--voices-dir", str(tmp_path / "v"))
+    try:
+        b.wait_listening()
+        assert b.stub.Health(pb.HealthMessage(), timeout=RPC_TIMEOUT).message == b"OK"
+        deadline = time.monotonic() + 60
+        while (state := b.stub.Status(pb.HealthMessage(), timeout=RPC_TIMEOUT).state) != pb.StatusResponse.READY:
+            assert state == pb.StatusResponse.BUSY and time.monotonic() < deadline, state
+            time.sleep(0.1)
+        _, pcm = stream(b.stub, TEXT, params={"greedy": "true"})       # served before any LoadModel
+        assert len(pcm) > 0
+        r = b.stub.LoadModel(pb.ModelOptions(Model=str(full_bundle_dir), Threads=2), timeout=RPC_TIMEOUT)
+        assert r.success and "already loaded" in r.message, r.message
+        assert b.log().count("loading ") == 1                             # not loaded a second time
+    finally:
+        assert b.stop() == 0, b.log()[-3000:]
+
+
+# ---------------------------------------------------------------------------------------------- auth
+def test_bearer_token_is_required_when_configured(tmp_path):
+    b = Backend(tmp_path / "auth.log", env={"LOCALAI_GRPC_AUTH_TOKEN": TOKEN}).wait_listening()
+    try:
+        for metadata in ((), (("authorization", "Bearer wrong-token"),), (("authorization", TOKEN),)):
+            err = rpc_error(b.stub.Health, pb.HealthMessage(), metadata=metadata)
+            assert err.code() == grpc.StatusCode.UNAUTHENTICATED
+        err = rpc_error(b.stub.TTSStream, pb.TTSRequest(text=TEXT))               # a streaming method too
+        assert err.code() == grpc.StatusCode.UNAUTHENTICATED
+        auth = (("authorization", f"Bearer {TOKEN}"),)
+        assert b.stub.Health(pb.HealthMessage(), metadata=auth, timeout=RPC_TIMEOUT).message == b"OK"
+        err = rpc_error(b.stub.TTSStream, pb.TTSRequest(text=TEXT), metadata=auth)
+        assert err.code() == grpc.StatusCode.FAILED_PRECONDITION                   # past auth: no model yet
+    finally:
+        assert b.stop() == 0, b.log()[-3000:]
+
+
+# ---------------------------------------------------------------------------------------------- packaging
+def test_packaging_documents_every_option_and_param():
+    """The LocalAI packaging README lists every LoadModel option and TTS param the backend accepts, and
+    run.sh hands LocalAI's arguments (--addr) to `mossrt localai`."""
+    from app.localai import MODEL_OPTIONS, TTS_PARAMS
+
+    pkg = Path(__file__).resolve().parents[1] / "localai" / "moss-tts-realtime"
+    readme = (pkg / "README.md").read_text(encoding="utf-8")
+    for key in [*MODEL_OPTIONS, *TTS_PARAMS]:
+        assert f"`{key}`" in readme, f"README.md does not document {key!r}"
+    assert 'exec mossrt localai ${MOSSRT_LOCALAI_FLAGS:-} "$@"' in (pkg / "run.sh").read_text()
+    for name in ("run.sh", "install.sh"):
+        assert os.access(pkg / name, os.X_OK), f"{name} is not executable"
+    for name in ("requirements.txt", "requirements-cpu.txt", "requirements-cublas12.txt",
+                 "requirements-cublas13.txt", "Makefile"):
+        assert (pkg / name).is_file()
