@@ -75,6 +75,12 @@ def create_app(settings: ServerSettings, bundle: Bundle) -> FastAPI:
         request.state.request_id = request.headers.get("x-request-id") or "req_" + secrets.token_hex(8)
         response = await call_next(request)
         response.headers.setdefault("X-Request-Id", request.state.request_id)
+        route = request.scope.get("route")
+        endpoint = getattr(route, "path", None) or "unmatched"
+        # a streamed speech response counts itself when it ends (its status is only known then)
+        if response.status_code >= 400 or endpoint != speech.ENDPOINT:
+            if endpoint.startswith("/v1"):
+                metrics.requests.labels(endpoint, str(response.status_code)).inc()
         if request.url.path not in ("/health", "/ready", "/metrics"):
             log.info("%s %s -> %d", request.method, request.url.path, response.status_code,
                      extra={"request_id": request.state.request_id, "method": request.method,

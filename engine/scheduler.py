@@ -243,7 +243,7 @@ class Scheduler:
         self._cond = threading.Condition()
         self._dirty = False
         self._reserved = 0                        # slots promised to handles (attached or about to be)
-        self._queued = 0
+        self._waiting: list[object] = []          # tickets of begin_turn calls waiting for a slot, in order
         self._handles: list[StreamHandle] = []    # attached, in the loop thread's view
         self._to_attach: list[StreamHandle] = []
         self._to_detach: list[StreamHandle] = []
@@ -266,7 +266,7 @@ class Scheduler:
     def stats(self) -> SchedulerStats:
         with self._cond:
             generating = sum(1 for h in self._handles if h.stream.has_turn and not h.stream.turn_done)
-            return SchedulerStats(capacity=self.runner.slots, active=self._reserved, queued=self._queued,
+            return SchedulerStats(capacity=self.runner.slots, active=self._reserved, queued=len(self._waiting),
                                   generating=generating, bytes_per_stream=self.runner.bytes_per_stream())
 
     def open_stream(self, voice_codes=None, params: SamplingParams | None = None, seed: int | None = None,
@@ -333,15 +333,17 @@ class Scheduler:
             if not self._accepting:
                 raise OverloadError("the server is draining: no new streams")
             deadline = time.monotonic() + (self.queue_timeout if wait is None else wait)
-            self._queued += 1
+            ticket = object()
+            self._waiting.append(ticket)              # first come, first served
             try:
-                while self._reserved >= self.runner.slots:
+                while self._reserved >= self.runner.slots or self._waiting[0] is not ticket:
                     left = deadline - time.monotonic()
                     if left <= 0 or self._stop:
                         raise CapacityError(f"all {self.runner.slots} stream slots are busy; retry later")
                     self._cond.wait(timeout=left)
             finally:
-                self._queued -= 1
+                self._waiting.remove(ticket)
+                self._cond.notify_all()              # the next in line may be admitted now
             self._reserved += 1
             handle._reserved = True
             self._to_attach.append(handle)
@@ -358,15 +360,17 @@ class Scheduler:
                 self._cond.notify_all()
 
     def _release(self, handle: StreamHandle) -> None:
+        """Free the handle's slot for admission now: the loop detaches it before it attaches anyone else,
+        so a client that opens its next stream right after closing one is never refused for its own."""
         with self._cond:
             if not handle._reserved:
                 return
             if handle in self._to_attach:
                 self._to_attach.remove(handle)
-                self._reserved -= 1
-                handle._reserved = False
             else:
                 self._to_detach.append(handle)
+            self._reserved -= 1
+            handle._reserved = False
             self._dirty = True
             self._cond.notify_all()
 
@@ -385,14 +389,10 @@ class Scheduler:
                 self._dirty = False
                 if self._stop:
                     break
-                for h in self._to_detach:
+                for h in self._to_detach:           # detaches first: the slots they free are already promised
                     self.runner.detach(h.stream)
                     self._handles.remove(h)
                     h.attached = False
-                    h._reserved = False
-                    self._reserved -= 1
-                if self._to_detach:
-                    self._cond.notify_all()     # a slot is free for a waiting begin_turn
                 self._to_detach.clear()
                 for h in self._to_attach:
                     self.runner.attach(h.stream)

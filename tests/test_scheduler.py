@@ -300,3 +300,38 @@ def test_session_refuses_concurrent_use(model):
             t.join()
         s.close()
     assert seen, "the two threads never overlapped"
+
+
+def test_admission_is_first_come_first_served_and_a_closed_slot_is_free_at_once(model):
+    from engine.scheduler import Scheduler
+
+    scheduler = Scheduler(model, slots=1)
+    try:
+        a = scheduler.open_stream()
+        a.begin_turn(wait=0)
+        a.close()
+        b = scheduler.open_stream()
+        b.begin_turn(wait=0)             # the slot a closed is free right away (not at the loop's next step)
+        order, threads = [], []
+        for name in ("first", "second", "third"):
+            h = scheduler.open_stream()
+
+            def wait_for_slot(h=h, name=name):
+                h.begin_turn(wait=30)
+                order.append(name)
+
+            threads.append((threading.Thread(target=wait_for_slot), h))
+            threads[-1][0].start()
+            time.sleep(0.15)             # arrive in this order
+        assert scheduler.stats().queued == 3
+        holder = b
+        for i in range(3):
+            holder.close()
+            deadline = time.monotonic() + 10
+            while len(order) < i + 1 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            holder = threads[i][1]
+        assert order == ["first", "second", "third"]
+        threads[2][1].close()
+    finally:
+        scheduler.stop()

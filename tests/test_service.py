@@ -489,3 +489,42 @@ def test_websocket_idle_timeout_closes_with_4008(full_bundle_dir, tmp_path):
         assert msg["error"]["code"] == "idle_timeout" and msg["fatal"] and code == 4008
     finally:
         assert s.stop() == 0
+
+
+def test_websocket_turn_without_capacity_is_refused_cleanly(full_bundle_dir, tmp_path):
+    """With every slot taken, a turn's first text gets no_capacity (counted as a 429); the rest of that
+    turn's text is refused at once (not re-queued), input.done closes the attempt, and the next turn
+    opens once a slot is free."""
+    s = Server(full_bundle_dir, tmp_path / "v", tmp_path / "c.log", "--max-streams", "1",
+               "--queue-timeout", "0").wait_ready()
+    try:
+        async def run():
+            import websockets
+
+            url = s.base.replace("http", "ws") + "/v1/audio/speech/stream"
+            async with websockets.connect(url) as holder, websockets.connect(url) as other:
+                h, o = WsClient(holder), WsClient(other)
+                await h.until("session.created")
+                await o.until("session.created")
+                await h.send(type="input.text", text="I hold the only stream slot. ")
+                await h.until("response.created")
+                codes = []
+                for text in ("Hello ", "there, ", "friend."):
+                    await o.send(type="input.text", text=text)
+                    codes.append(json.loads(await _text(other))["error"]["code"])
+                await o.send(type="input.done")
+                refused = json.loads(await _text(other))
+                await holder.close()                          # frees the slot
+                await asyncio.sleep(0.5)
+                await o.send(type="input.text", text="Now it works.")
+                await o.send(type="input.done")
+                done = await o.until("response.done")
+                return codes, refused, done
+
+        codes, refused, done = asyncio.run(run())
+        assert codes == ["no_capacity", "turn_refused", "turn_refused"]
+        assert refused["type"] == "response.refused" and done["finish_reason"] == "eos"
+        metrics = httpx.get(s.base + "/metrics").text
+        assert 'mossrt_requests_total{endpoint="/v1/audio/speech/stream",status="429"} 1.0' in metrics
+    finally:
+        assert s.stop() == 0

@@ -66,11 +66,9 @@ async def create_speech(body: SpeechRequest, request: Request):
     except BaseException as e:
         handle.close()
         encoder.close()
-        err = from_engine(e) if isinstance(e, Exception) else None
-        metrics.requests.labels(ENDPOINT, str(err.status) if err else "cancelled").inc()
-        if err is None:
+        if not isinstance(e, Exception):
             raise
-        raise err from None
+        raise from_engine(e) from None          # counted by the request middleware with its status
 
     meter = StreamMeter(metrics, "sse" if body.stream_format == "sse" else "http", request.state.started)
     headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no", "X-Request-Id": request.state.request_id}

@@ -124,6 +124,7 @@ class WsSession:
         self.meter: StreamMeter | None = None
         self.turn_text_tokens = 0
         self.turn_open = False            # response.created sent, response.done not yet
+        self.turn_refused = False         # a turn failed to open: its remaining text is refused
         self.turn_closed = asyncio.Event()
         self.turn_closed.set()
         self.last_response: str | None = None
@@ -221,13 +222,11 @@ class WsSession:
             err = e.errors()[0]
             where = ".".join(str(p) for p in err["loc"])
             await self.error("invalid_value", f"{data['type']}: {where}: {err['msg']}", event_id=event_id)
-        except ApiError as e:
-            if e.status in (503,):
-                raise ProtocolError(e.code or "unavailable", e.message, True, CLOSE_UNAVAILABLE) from None
-            await self.error(e.code or "invalid_value", e.message, event_id=event_id,
-                             type_="rate_limit_error" if e.status == 429 else e.type)
-        except EngineError as e:
+        except (ApiError, EngineError) as e:
             err = from_engine(e)
+            self.metrics.requests.labels(PATH, str(err.status)).inc()
+            if err.status == 503:
+                raise ProtocolError(err.code or "unavailable", err.message, True, CLOSE_UNAVAILABLE) from None
             await self.error(err.code or "invalid_value", err.message, event_id=event_id,
                              type_="rate_limit_error" if err.status == 429 else err.type)
 
@@ -280,8 +279,20 @@ class WsSession:
         await self.send_json({"type": "input.user.accepted", "text_chars": len(self.user_text),
                               "audio_frames": 0 if self.user_audio is None else len(self.user_audio)})
 
+    def _refused(self, kind: str) -> bool:
+        """After a turn could not open (no capacity, context full), its remaining text is refused at once
+        until the client ends that turn with input.done; then the next text opens a new attempt."""
+        if not self.turn_refused:
+            return False
+        if kind == "input.done":
+            self.turn_refused = False
+        return True
+
     async def on_text(self, data: dict) -> None:
         msg = TextInput.model_validate(data)
+        if self._refused("input.text"):
+            raise ApiError(400, "this turn could not open (see the previous error); its text is dropped until "
+                           "input.done", code="turn_refused")
         await self._open_turn()
         self._check_buffer(len(msg.text))
         self.turn_text_tokens += self.handle.push_text(msg.text)
@@ -289,12 +300,18 @@ class WsSession:
     async def on_tokens(self, data: dict) -> None:
         msg = TokensInput.model_validate(data)
         self.service.model.check_text_ids(msg.ids)        # refuse bad ids before a turn opens
+        if self._refused("input.tokens"):
+            raise ApiError(400, "this turn could not open (see the previous error); its text is dropped until "
+                           "input.done", code="turn_refused")
         await self._open_turn()
         self._check_buffer(len(msg.ids))
         self.turn_text_tokens += self.handle.push_token_ids(msg.ids)
 
     async def on_done(self, data: dict) -> None:
         Bare.model_validate(data)
+        if self._refused("input.done"):
+            await self.send_json({"type": "response.refused", "reason": "the turn could not open"})
+            return
         if not self.turn_open or self.handle is None or not self.handle.stream.has_turn:
             raise ApiError(400, "no turn is open: send input.text or input.tokens first", code="no_turn")
         self.turn_text_tokens += self.handle.end_text()
@@ -329,7 +346,12 @@ class WsSession:
             self.handle = self.service.open_stream(voice, params, self.sampling.seed, AsyncSink())
             self._sender = asyncio.create_task(self._send_events())
         started = time.monotonic()
-        await run_in_threadpool(self.handle.begin_turn, self.user_text, self.user_audio, None, self.max_frames, params)
+        try:
+            await run_in_threadpool(self.handle.begin_turn, self.user_text, self.user_audio, None, self.max_frames,
+                                    params)
+        except Exception:
+            self.turn_refused = True      # the rest of this turn's text is refused at once, not retried
+            raise
         self.user_text, self.user_audio = "", None
         self.turns += 1
         self.response_id = "resp_" + secrets.token_hex(8)
