@@ -1,0 +1,280 @@
+"""One measured stream per call: ``POST /v1/audio/speech`` (pcm) or one turn on ``WS /v1/audio/speech/stream``.
+
+Each function fills a :class:`StreamRecord` and never raises for what the server or the network does (errors
+are recorded by kind); only cancellation (the caller's timeout or deadline) propagates.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass, field
+
+import httpx
+
+from .stats import StreamRecord
+from .texts import split_deltas
+
+try:                                                 # websockets >= 13
+    from websockets.asyncio.client import connect as ws_connect
+    _WS_HEADERS_KW = "additional_headers"
+except ImportError:                                  # websockets 12: the legacy client
+    from websockets import connect as ws_connect     # type: ignore[no-redef]
+    _WS_HEADERS_KW = "extra_headers"
+from websockets.exceptions import ConnectionClosed, InvalidHandshake
+
+try:
+    from websockets.exceptions import InvalidStatus
+except ImportError:                                  # pragma: no cover - websockets 12
+    InvalidStatus = None  # type: ignore[assignment,misc]
+
+SPEECH_PATH = "/v1/audio/speech"
+WS_PATH = "/v1/audio/speech/stream"
+DEFAULT_RETRY_AFTER_S = 1.0
+
+
+@dataclass
+class RequestOptions:
+    """What every request of a run carries."""
+
+    base_url: str
+    api_key: str | None = None
+    headers: dict[str, str] = field(default_factory=dict)
+    session_header: str | None = "X-Session-Id"      # a fresh value per stream (spreads streams over pods)
+    run_id: str = "lt"
+    model: str = "tts-1"
+    voice: str | None = None
+    greedy: bool | None = None
+    max_frames: int | None = None
+    extra_body: dict = field(default_factory=dict)
+    llm_tokens_per_s: float = 30.0                  # 0: the whole text in one delta
+    delta_max_chars: int = 8
+    prebuffer_s: float = 0.0
+    connect_timeout: float = 10.0
+    trace_streams: int = 1                          # chunk arrival traces for streams with index below this
+
+    def request_headers(self, rec: StreamRecord) -> dict[str, str]:
+        h = dict(self.headers)
+        if self.api_key:
+            h["Authorization"] = f"Bearer {self.api_key}"
+        if self.session_header:
+            h[self.session_header] = f"{self.run_id}-{rec.transport}-{rec.level:g}-{rec.index}"
+        return h
+
+    @property
+    def ws_url(self) -> str:
+        base = self.base_url.rstrip("/")
+        if base.startswith("https://"):
+            base = "wss://" + base[len("https://"):]
+        elif base.startswith("http://"):
+            base = "ws://" + base[len("http://"):]
+        return base + WS_PATH
+
+
+def _error_code(raw: bytes) -> str:
+    """``error.code`` (else ``error.type``) of an OpenAI-shaped error body; ``-`` when there is none."""
+    try:
+        err = json.loads(raw.decode("utf-8", "replace")).get("error") or {}
+        return str(err.get("code") or err.get("type") or "-")
+    except (ValueError, AttributeError):
+        return "-"
+
+
+def _retry_after(value: str | None) -> float | None:
+    try:
+        return float(value) if value is not None else None
+    except ValueError:
+        return None
+
+
+def _fail(rec: StreamRecord, kind: str, detail: str | None = None) -> None:
+    if rec.status in ("pending", "ok"):
+        rec.status, rec.error_kind = "error", kind
+        rec.error_detail = (detail or "")[:300] or None
+
+
+# ---------------------------------------------------------------------------------------------- HTTP
+async def http_stream(client: httpx.AsyncClient, opts: RequestOptions, rec: StreamRecord, text: str) -> None:
+    body = {"model": opts.model, "input": text, "response_format": "pcm", "stream_format": "audio",
+            **({"voice": opts.voice} if opts.voice else {}),
+            **({"seed": rec.seed} if rec.seed is not None else {}),
+            **({"greedy": opts.greedy} if opts.greedy is not None else {}),
+            **({"max_frames": opts.max_frames} if opts.max_frames is not None else {}),
+            **opts.extra_body}
+    rec.begin_audio(opts.prebuffer_s, rec.index < opts.trace_streams)
+    sent = time.perf_counter()
+    try:
+        async with client.stream("POST", opts.base_url.rstrip("/") + SPEECH_PATH, json=body,
+                                 headers=opts.request_headers(rec)) as resp:
+            rec.http_status = resp.status_code
+            if resp.status_code != 200:
+                raw = await resp.aread()
+                code = _error_code(raw)
+                rec.total_s = time.perf_counter() - sent
+                if resp.status_code == 429:
+                    rec.status, rec.error_kind = "rejected", f"http_429:{code}"
+                    rec.retry_after_s = _retry_after(resp.headers.get("retry-after"))
+                else:
+                    _fail(rec, f"http_{resp.status_code}:{code}", raw[:300].decode("utf-8", "replace"))
+                return
+            async for chunk in resp.aiter_raw():
+                rec.on_audio(time.perf_counter(), sent, len(chunk))
+        rec.total_s = time.perf_counter() - sent
+        if rec.audio_bytes == 0:
+            _fail(rec, "no_audio", "200 with an empty body")
+        elif rec.audio_bytes % 2:
+            _fail(rec, "odd_byte_count", f"{rec.audio_bytes} bytes is not whole s16le samples")
+        else:
+            rec.status = "ok"
+    except httpx.ConnectTimeout as e:
+        _fail(rec, "connect_timeout", repr(e))
+    except httpx.TimeoutException as e:
+        _fail(rec, "read_timeout", repr(e))
+    except httpx.ConnectError as e:
+        _fail(rec, "connect_error", repr(e))
+    except httpx.RemoteProtocolError as e:             # e.g. the chunked body was cut off
+        _fail(rec, "stream_cut", repr(e))
+    except httpx.HTTPError as e:
+        _fail(rec, f"http_error:{type(e).__name__}", repr(e))
+    except OSError as e:
+        _fail(rec, f"os_error:{type(e).__name__}", repr(e))
+    finally:
+        rec.finish_audio(sent)
+
+
+# ---------------------------------------------------------------------------------------------- WebSocket
+async def ws_stream(opts: RequestOptions, rec: StreamRecord, text: str) -> None:
+    """One session, one turn: session.update, the text as paced deltas, input.done, audio until response.done."""
+    t0 = time.perf_counter()
+    sent = None
+    rec.begin_audio(opts.prebuffer_s, rec.index < opts.trace_streams)
+    kwargs = {_WS_HEADERS_KW: opts.request_headers(rec), "open_timeout": opts.connect_timeout,
+              "close_timeout": 2, "max_size": None, "compression": None}
+    try:
+        async with ws_connect(opts.ws_url, **kwargs) as ws:
+            first = await _recv_json(ws)
+            if first.get("type") != "session.created":
+                _ws_error(rec, first)
+                return
+            rec.connect_s = time.perf_counter() - t0
+            update = {k: v for k, v in (("seed", rec.seed), ("greedy", opts.greedy), ("max_frames", opts.max_frames),
+                                        ("voice", opts.voice)) if v is not None}
+            if update:
+                await ws.send(json.dumps({"type": "session.update", **update}))
+                reply = await _recv_json(ws)
+                if reply.get("type") != "session.updated":
+                    _ws_error(rec, reply)
+                    return
+            deltas = split_deltas(text, opts.delta_max_chars) if opts.llm_tokens_per_s > 0 else [text]
+            sent = time.perf_counter()
+            done_at: list[float] = []
+            sender = asyncio.create_task(_send_text(ws, deltas, opts.llm_tokens_per_s, sent, done_at, rec))
+            try:
+                await _receive_turn(ws, rec, sent, sender)
+            finally:
+                if not sender.done():
+                    sender.cancel()
+                await asyncio.gather(sender, return_exceptions=True)
+            if done_at:
+                rec.text_send_s = done_at[0] - sent
+                first_audio = None if rec.ttfa_s is None else sent + rec.ttfa_s
+                if first_audio is not None:
+                    rec.ttfa_after_done_s = first_audio - done_at[0]
+    except ConnectionClosed as e:
+        rcvd = getattr(e, "rcvd", None)
+        code = rcvd.code if rcvd is not None else "none"
+        _fail(rec, f"ws_closed:{code}", str(e))
+    except asyncio.TimeoutError as e:                   # open_timeout
+        _fail(rec, "connect_timeout", repr(e))
+    except InvalidHandshake as e:
+        status = _handshake_status(e)
+        if status == 429:
+            rec.status, rec.error_kind = "rejected", "ws_handshake_429"
+        else:
+            _fail(rec, f"ws_handshake_{status or 'failed'}", str(e))
+    except OSError as e:
+        _fail(rec, "connect_error", repr(e))
+    finally:
+        if rec.total_s is None and sent is not None and rec.status != "pending":
+            rec.total_s = time.perf_counter() - sent
+        rec.finish_audio(sent if sent is not None else t0)
+
+
+def _handshake_status(e: Exception) -> int | None:
+    if InvalidStatus is not None and isinstance(e, InvalidStatus):
+        return e.response.status_code
+    return getattr(e, "status_code", None)                  # websockets 12: InvalidStatusCode
+
+
+async def _recv_json(ws) -> dict:
+    while True:
+        msg = await ws.recv()
+        if isinstance(msg, str):
+            try:
+                data = json.loads(msg)
+            except ValueError:
+                return {"type": "invalid_json", "raw": msg[:200]}
+            return data if isinstance(data, dict) else {"type": "invalid_json", "raw": msg[:200]}
+
+
+async def _send_text(ws, deltas: list[str], tps: float, sent: float, done_at: list, rec: StreamRecord) -> None:
+    """Deltas on a fixed schedule (delta i at sent + i / tps, no drift), then input.done."""
+    for i, delta in enumerate(deltas):
+        if i and tps > 0:
+            delay = sent + i / tps - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+        await ws.send(json.dumps({"type": "input.text", "text": delta}))
+        rec.deltas = i + 1
+    await ws.send(json.dumps({"type": "input.done"}))
+    done_at.append(time.perf_counter())
+
+
+def _ws_error(rec: StreamRecord, msg: dict) -> bool:
+    """Record an ``error`` message (or an unexpected one); True when the stream is over."""
+    if msg.get("type") != "error":
+        _fail(rec, f"ws_unexpected:{msg.get('type')}", json.dumps(msg)[:300])
+        return True
+    err = msg.get("error") or {}
+    code = err.get("code") or "-"
+    if err.get("type") == "rate_limit_error" or code == "no_capacity":
+        if rec.status in ("pending", "ok"):
+            rec.status, rec.error_kind = "rejected", f"ws_429:{code}"
+            rec.retry_after_s = DEFAULT_RETRY_AFTER_S
+        return True
+    _fail(rec, f"ws_error:{code}", err.get("message"))
+    return bool(msg.get("fatal"))
+
+
+async def _receive_turn(ws, rec: StreamRecord, sent: float, sender: asyncio.Task) -> None:
+    while True:
+        if sender.done() and sender.exception() is not None and not isinstance(sender.exception(), ConnectionClosed):
+            raise sender.exception()
+        msg = await ws.recv()
+        now = time.perf_counter()
+        if isinstance(msg, (bytes, bytearray, memoryview)):
+            rec.on_audio(now, sent, len(msg))
+            continue
+        try:
+            data = json.loads(msg)
+        except ValueError:
+            _fail(rec, "ws_invalid_json", msg[:300])
+            continue
+        kind = data.get("type")
+        if kind == "response.done":
+            rec.total_s = now - sent
+            rec.finish_reason = data.get("finish_reason")
+            rec.server_timing = data.get("timing")
+            if rec.status == "pending":
+                if rec.audio_bytes == 0:
+                    _fail(rec, "no_audio", json.dumps(data)[:300])
+                elif rec.finish_reason == "error":
+                    _fail(rec, "finish_error", json.dumps(data)[:300])
+                else:
+                    rec.status = "ok"
+            return
+        if kind == "error":
+            if _ws_error(rec, data):
+                rec.total_s = now - sent        # not after the close handshake, which a busy server may delay
+                return
