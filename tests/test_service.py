@@ -526,5 +526,6 @@ def test_websocket_turn_without_capacity_is_refused_cleanly(full_bundle_dir, tmp
         assert refused["type"] == "response.refused" and done["finish_reason"] == "eos"
         metrics = httpx.get(s.base + "/metrics").text
         assert 'mossrt_requests_total{endpoint="/v1/audio/speech/stream",status="429"} 1.0' in metrics
+        assert 'endpoint="/v1/audio/speech/stream",status="400"' not in metrics   # refusal echoes are not requests
     finally:
         assert s.stop() == 0

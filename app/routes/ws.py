@@ -224,7 +224,8 @@ class WsSession:
             await self.error("invalid_value", f"{data['type']}: {where}: {err['msg']}", event_id=event_id)
         except (ApiError, EngineError) as e:
             err = from_engine(e)
-            self.metrics.requests.labels(PATH, str(err.status)).inc()
+            if err.code != "turn_refused":    # echoes of a refusal already counted (the 429) are not requests
+                self.metrics.requests.labels(PATH, str(err.status)).inc()
             if err.status == 503:
                 raise ProtocolError(err.code or "unavailable", err.message, True, CLOSE_UNAVAILABLE) from None
             await self.error(err.code or "invalid_value", err.message, event_id=event_id,
