@@ -192,7 +192,7 @@ class TTSService:
 
     def register_voice(self, name: str, wav: np.ndarray, sample_rate: int) -> VoiceRecord:
         """Encode a reference once with the codec, store its codes, and compute the backbone KV of its
-        system block (cached, and kept beside the voice so a restart does not recompute it). Blocking:
+        text-only opening (cached, and kept beside the voice so a restart does not recompute it). Blocking:
         call off the event loop."""
         VoiceRegistry.check_name(name)
         codes = resolve_voice(self.model, self.limits, wav=(wav, sample_rate))
@@ -207,8 +207,13 @@ class TTSService:
         cache = self.scheduler.prefix_cache
         if cache is None:
             return
-        key = prefix_key(self.model.prompt.system_block(codes))
+        system = self.model.prompt.system_block(codes)
+        key = prefix_key(system)
         if key not in cache:
             kv = self.voices.load_prefix(rec)
-            if kv is not None:
+            c = self.model.config
+            # a persisted entry holds the system block's rows, and the assistant header's after it
+            rows = (len(system), len(self.model.prompt.tts_prompt(codes)))
+            if kv is not None and kv.dtype == np.float32 and kv.ndim == 5 and kv.shape[3] in rows \
+                    and kv.shape[:3] + kv.shape[4:] == (c.layers, 2, c.kv_heads, c.head_dim):
                 cache.put(key, kv)

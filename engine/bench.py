@@ -175,7 +175,7 @@ def bench_streams(model, streams=(1, 2, 4, 8, 16), frames: int = 32, seed: int =
     def run(n: int) -> dict:
         # as the service runs: the system prompt's KV comes from the prefix cache (computed before timing)
         scheduler = Scheduler(model, slots=n, prefix_cache_bytes=4 * model.kv_bytes_per_slot(
-            len(model.prompt.system_block(None))))
+            len(model.prompt.tts_prompt(None))))
         scheduler.warm_prefix(None)
         stats = [None] * n
 
@@ -309,7 +309,7 @@ def bench_compare(model, frames: int = 8, streams: int = 8, voice_seconds: float
     rng = np.random.default_rng(0)
     voice_wav = (rng.standard_normal(int(voice_seconds * model.codec.sample_rate)) * 0.1).astype(np.float32)
     voice = model.codec.encode(voice_wav, model.codec.sample_rate)[:, : model.layout.codebooks]
-    prefix_bytes = 4 * model.kv_bytes_per_slot(len(model.prompt.system_block(voice)))
+    prefix_bytes = 4 * model.kv_bytes_per_slot(len(model.prompt.tts_prompt(voice)))
     ttfa: dict[str, list[float]] = {"cold (no prefix cache)": [], "text only": [], "registered voice": [],
                                     "second turn": []}
     scheduler = Scheduler(model, slots=2, prefix_cache_bytes=prefix_bytes)
@@ -349,9 +349,9 @@ def bench_compare(model, frames: int = 8, streams: int = 8, voice_seconds: float
         "peak_rss_bytes": peak_rss_bytes(),
         "kv_bytes_per_row": model.kv_bytes_per_slot(1) // 2,
         "kv_bytes_per_stream": {"4096 rows": model.kv_bytes_per_slot(4096) + model.codec.decoder_bytes_per_stream()},
-        "prefix_kv_bytes": {"system prompt": len(model.prompt.system_block(None)) * (model.kv_bytes_per_slot(1) // 2),
+        "prefix_kv_bytes": {"system prompt": len(model.prompt.tts_prompt(None)) * (model.kv_bytes_per_slot(1) // 2),
                             f"system prompt + {voice_seconds:g} s voice":
-                                len(model.prompt.system_block(voice)) * (model.kv_bytes_per_slot(1) // 2)},
+                                len(model.prompt.tts_prompt(voice)) * (model.kv_bytes_per_slot(1) // 2)},
         "prefix_cache": {"hits": prefix_stats.hits, "entries": prefix_stats.entries},
         "baseline": BASELINE_CPU,
     }

@@ -1,10 +1,12 @@
 """Backbone KV of system blocks, computed once and copied into each new stream's slot.
 
 Every stream's first turn starts with the same system prompt, and every stream with a given voice with
-the same voice-clone rows (hundreds of them). The runner prefills a stream's system block as chunks of
-their own (fixed boundaries), so the KV those chunks write does not depend on what follows: copying it
-from here gives bitwise the rows a full prefill writes. Entries are keyed by the rows' content (the
-voice's codes are in the rows), held in an LRU bounded in bytes.
+the same voice-clone rows (hundreds of them); a text-only first turn continues with the same assistant
+header. The runner prefills the system block and that header as chunks of their own (fixed boundaries),
+so the KV those chunks write does not depend on what follows: copying it from here gives bitwise the rows
+a full prefill writes. Entries are keyed by the system block's content (the voice's codes are in the
+rows) and hold its KV, followed by the header's once a text-only turn has computed it (a turn with user
+context copies only the system block's rows); an LRU bounded in bytes.
 """
 
 from __future__ import annotations
@@ -52,18 +54,24 @@ class PrefixCache:
             self.stats.hits += 1
             return kv
 
+    def peek(self, key: str) -> np.ndarray | None:
+        """The entry, without counting a hit or a miss or refreshing its place."""
+        with self._lock:
+            return self._entries.get(key)
+
     def __contains__(self, key: str) -> bool:
         with self._lock:
             return key in self._entries
 
     def put(self, key: str, kv: np.ndarray) -> bool:
-        """Keep ``kv`` (evicting the least recently used beyond the budget); False if it alone exceeds it."""
+        """Keep ``kv`` under ``key``, replacing an entry there (a longer prefix of the same block), and evict
+        the least recently used beyond the budget; False if it alone exceeds the budget."""
         if kv.nbytes > self.budget_bytes:
             return False
         with self._lock:
-            if key in self._entries:
-                self._entries.move_to_end(key)
-                return True
+            old = self._entries.pop(key, None)
+            if old is not None:
+                self.stats.bytes -= old.nbytes
             self._entries[key] = kv
             self.stats.bytes += kv.nbytes
             while self.stats.bytes > self.budget_bytes:

@@ -204,32 +204,37 @@ class StepRunner:
     # ------------------------------------------------------------------ prefill, step, depth
     def _chunk_end(self, e: _Entry) -> int:
         """End of the next prefill chunk: chunks start at multiples of prefill_chunk_rows from the start
-        of the request, except that the request's cacheable prefix (system block) ends a chunk too."""
+        of the request, except that each end of a cacheable prefix (``prefix_cuts``) ends a chunk too."""
         n, c, start = len(e.request.rows), self.prefill_chunk_rows, e.fed
-        prefix = e.request.prefix_rows
-        if start < prefix:
-            return min(prefix, (start // c + 1) * c)
+        cuts = [cut for cut in e.request.prefix_cuts if cut > start]
+        if cuts:
+            return min(cuts[0], (start // c + 1) * c)
         return min(n, start + c)
 
     def _from_prefix_cache(self, e: _Entry) -> None:
-        """Start the slot with the cached KV of the request's system block, when there is one."""
+        """Start the slot with the longest cached prefix of the request (its system block's KV, or that
+        and the assistant header's), when there is one."""
         req = e.request
-        if self.prefix_cache is None or not req.prefix_rows or e.fed or self.kv.lengths[e.slot]:
+        if self.prefix_cache is None or not req.prefix_cuts or e.fed or self.kv.lengths[e.slot]:
             return
-        cached = self.prefix_cache.get(prefix_key(req.rows[: req.prefix_rows]))
-        if cached is not None:
-            self.kv.copy_rows(cached, e.slot)
-            e.stream.on_fed(req, req.rows[: req.prefix_rows])
-            e.fed = req.prefix_rows
-            self.timing.prefix_rows_copied += req.prefix_rows
+        cached = self.prefix_cache.get(prefix_key(req.rows[: req.prefix_cuts[0]]))
+        n = max((cut for cut in req.prefix_cuts if cached is not None and cut <= cached.shape[3]), default=0)
+        if n:
+            self.kv.copy_rows(cached if n == cached.shape[3] else cached[:, :, :, :n], e.slot)
+            e.stream.on_fed(req, req.rows[:n])
+            e.fed = n
+            self.timing.prefix_rows_copied += n
 
     def _to_prefix_cache(self, e: _Entry) -> None:
+        """Keep the request's cacheable prefix once it is all computed, unless a cached one is as long."""
         req = e.request
-        if self.prefix_cache is not None and req.prefix_rows and e.fed == req.prefix_rows \
-                and self.kv.lengths[e.slot] == req.prefix_rows:
-            key = prefix_key(req.rows[: req.prefix_rows])
-            if key not in self.prefix_cache:
-                self.prefix_cache.put(key, self.kv.rows_of(e.slot, req.prefix_rows))
+        if self.prefix_cache is None or not req.prefix_cuts or e.fed != req.prefix_cuts[-1] \
+                or self.kv.lengths[e.slot] != e.fed:
+            return
+        key = prefix_key(req.rows[: req.prefix_cuts[0]])
+        held = self.prefix_cache.peek(key)
+        if held is None or held.shape[3] < e.fed:
+            self.prefix_cache.put(key, self.kv.rows_of(e.slot, e.fed))
 
     def _prefill(self, entries: list[_Entry], result: TickResult) -> list[tuple[_Entry, np.ndarray]]:
         done = []

@@ -160,7 +160,8 @@ class StreamHandle:
         self._scheduler._wake()
 
     def prime_prefix(self, rows, wait: float | None = None) -> None:
-        """Feed a stream's system block (cached by the scheduler's prefix cache as it goes)."""
+        """Feed a stream's system block, or its text-only opening (system block + assistant header), cached
+        by the scheduler's prefix cache as it goes."""
         self._require_open()
         self._scheduler._reserve(self, wait)
         self.stream.prime(rows, prefix=True)
@@ -284,15 +285,17 @@ class Scheduler:
         return StreamHandle(self, stream, sink or QueueSink(), self.max_buffered_frames)
 
     def warm_prefix(self, voice_codes=None, timeout: float = 600) -> np.ndarray | None:
-        """Compute (or find) the KV of the system block for ``voice_codes`` in the prefix cache and return it
-        ([layers, 2, kv_heads, rows, head_dim]), so streams with that voice skip those rows. None without a
-        cache or when the block alone exceeds the cache's budget."""
+        """Compute (or find) the KV of a text-only first turn's opening for ``voice_codes`` (its system block
+        and the assistant header) in the prefix cache and return it ([layers, 2, kv_heads, rows, head_dim]),
+        so streams with that voice skip those rows. None without a cache or when it alone exceeds the
+        cache's budget."""
         if self.prefix_cache is None:
             return None
         probe = StreamState(self.model, voice_codes=voice_codes, limits=self.limits)
-        rows = self.model.prompt.system_block(probe.voice_codes)
-        key = prefix_key(rows)
-        if key not in self.prefix_cache:
+        rows = self.model.prompt.tts_prompt(probe.voice_codes)
+        key = prefix_key(rows[: probe.system_rows])
+        held = self.prefix_cache.peek(key)
+        if held is None or held.shape[3] < len(rows):
             h = StreamHandle(self, probe, QueueSink(), self.max_buffered_frames)
             try:
                 h.prime_prefix(rows, wait=timeout)

@@ -90,7 +90,10 @@ class StepRequest:
     uniform: np.ndarray       # [16] draws of this frame, from the stream's own generator
     history: np.ndarray       # [repetition_window, 16] earlier frames of the turn, history_pad where none
     turn: int                 # the turn it belongs to (results of an ended turn are discarded)
-    prefix_rows: int = 0      # leading rows that are the stream's system block (cacheable; a chunk of their own)
+    # Ends of the cacheable leading rows: the system block, then (text-only first turn) the assistant header.
+    # Each ends a prefill chunk, so their KV does not depend on what follows and may come from the prefix
+    # cache (keyed by the system block's rows); empty when the request starts no stream.
+    prefix_cuts: tuple[int, ...] = ()
     sample: bool = True       # False: context rows only (prime), no frame follows
 
 
@@ -121,6 +124,7 @@ class _Turn:
     input_kind: str | None = None   # "text" or "ids": a turn takes one kind of assistant input
     starved: bool = False
     start_rows: int = 0             # context rows before the turn's prefill
+    prefix_cuts: tuple[int, ...] = ()   # cacheable chunk ends of the prefill (first turn only)
     stats: TurnStats = field(default_factory=TurnStats)
 
 
@@ -148,12 +152,13 @@ class StreamState:
         self._serial = 0
         self._in_flight: StepRequest | None = None
         self._prime: np.ndarray | None = None
-        self._prime_prefix = False
+        self._prime_prefix: tuple[int, ...] = ()
         self._last_fed: StepRequest | None = None
         self._lock = threading.RLock()
         self.paused = False                     # a consumer that does not keep up holds the stream
         self._finished: list[tuple[int, TurnStats]] = []
         self.system_rows = len(model.prompt.system_block(self.voice_codes))
+        self.tts_prompt_rows = len(model.prompt.tts_prompt(self.voice_codes))    # + the assistant header
 
     # ------------------------------------------------------------------ views
     @property
@@ -229,8 +234,13 @@ class StreamState:
             raise ContextLimitError(f"context limit: the turn's {len(rows)} prompt rows do not fit "
                                     f"({self.fed_rows} of {self.limits.max_context_rows} rows used)")
         self._serial += 1
+        # a text-only first turn opens with the system block + assistant header, both the same for every
+        # stream with this voice: both are cacheable. With user context only the system block is.
+        has_user = bool(user_text) or user_audio is not None
+        cuts = () if self.fed_rows else (self.system_rows,) if has_user else (self.system_rows, self.tts_prompt_rows)
         self._turn = _Turn(serial=self._serial, prompt_rows=rows, params=turn_params, max_frames=max_frames,
-                           committer=TextCommitter(self.model.tokenizer, self.allow_special_tokens))
+                           committer=TextCommitter(self.model.tokenizer, self.allow_special_tokens),
+                           prefix_cuts=cuts)
         self.state = TurnState.WAITING
 
     @_locked
@@ -284,7 +294,8 @@ class StreamState:
     def prime(self, rows, prefix: bool = False) -> None:
         """Feed context rows ``[n, 17]`` without generating (between turns): the stream then continues as
         if a conversation had produced exactly these rows (restoring a conversation; tests' references).
-        ``prefix``: the rows are the stream's system block (fed in the cacheable chunks of a first turn)."""
+        ``prefix``: the rows are the stream's system block, or its text-only opening (system block + assistant
+        header), fed in the cacheable chunks of a first turn."""
         self._require_open()
         if self.state in (TurnState.WAITING, TurnState.RUNNING) or self._prime is not None:
             raise InputError("prime context rows between turns")
@@ -300,7 +311,8 @@ class StreamState:
             raise ContextLimitError(f"context limit: {len(arr)} more rows do not fit "
                                     f"({self.fed_rows} of {self.limits.max_context_rows} rows used)")
         self._prime = arr
-        self._prime_prefix = bool(prefix) and self.fed_rows == 0
+        n = len(arr)
+        self._prime_prefix = tuple(sorted({min(self.system_rows, n), n})) if prefix and self.fed_rows == 0 else ()
 
     @_locked
     def truncate_turn(self, audio_frames: int) -> int:
@@ -350,7 +362,7 @@ class StreamState:
             rows, self._prime = self._prime, None
             self._in_flight = StepRequest(rows=rows, first_frame=False, params=self.params, uniform=np.zeros(0),
                                           history=np.zeros((0, 0), np.int64), turn=self._serial, sample=False,
-                                          prefix_rows=len(rows) if self._prime_prefix else 0)
+                                          prefix_cuts=self._prime_prefix)
             return self._in_flight
         if t is None or self.state not in (TurnState.WAITING, TurnState.RUNNING):
             return None
@@ -364,7 +376,7 @@ class StreamState:
             t.stats.prefill_rows = len(rows)
             t.start_rows = self.fed_rows
             self.state = TurnState.RUNNING
-            return self._request(rows, first=True, prefix_rows=self.system_rows if self.fed_rows == 0 else 0)
+            return self._request(rows, first=True, prefix_cuts=t.prefix_cuts)
         if t.stats.frames >= self._frame_limit():
             self._finish(FinishReason.MAX_FRAMES)
             return None
@@ -437,7 +449,7 @@ class StreamState:
         return self.decode_audio and not frame.eos and playable(frame.codes, self.model.layout.codebook_size)
 
     # ------------------------------------------------------------------ internals
-    def _request(self, rows: np.ndarray, first: bool, prefix_rows: int = 0) -> StepRequest:
+    def _request(self, rows: np.ndarray, first: bool, prefix_cuts: tuple[int, ...] = ()) -> StepRequest:
         t, m = self._turn, self.model
         window = t.params.repetition_window
         history = np.full((window, m.layout.codebooks), m.history_pad, np.int64)
@@ -445,7 +457,7 @@ class StreamState:
         if recent:
             history[window - len(recent):] = np.stack(recent)
         req = StepRequest(rows=rows, first_frame=first, params=t.params, uniform=self.rng.next_frame(),
-                          history=history, turn=t.serial, prefix_rows=prefix_rows)
+                          history=history, turn=t.serial, prefix_cuts=prefix_cuts)
         self._in_flight = req
         return req
 

@@ -114,7 +114,7 @@ def test_warm_prefix_equals_a_prefill(model):
     s = StreamingSession(model, voice_codes=voice, params=model.default_sampling(greedy=True))
     s.begin_turn()
     s.push_token_ids(model.tokenizer.encode(TEXT))
-    rows = len(model.prompt.system_block(model.prompt.check_codes(voice)))
+    rows = len(model.prompt.tts_prompt(model.prompt.check_codes(voice)))     # system block + assistant header
     assert kv.shape[3] == rows
     np.testing.assert_array_equal(kv, s.runner.context_kv(s.stream)[:, :, :, :rows])
 
@@ -131,3 +131,33 @@ def test_cache_is_bounded_lru():
     assert not cache.put("huge", np.zeros(1000, np.float32))          # larger than the budget: not kept
     with pytest.raises(ValueError):
         PrefixCache(-1)
+
+
+def test_text_only_turns_copy_the_header_too_and_user_turns_the_system_block(model):
+    """A text-only first turn takes the system block and the assistant header from the cache; a turn with
+    user context takes only the system block's rows of that same entry."""
+    from engine.scheduler import Scheduler, StreamError, TurnEnd
+
+    system, opening = len(model.prompt.system_block(None)), len(model.prompt.tts_prompt(None))
+    assert opening > system
+    ids = model.tokenizer.encode(TEXT)[:16]
+    scheduler = Scheduler(model, slots=1, prefix_cache_bytes=16 * 2**20)
+    try:
+        assert scheduler.warm_prefix(None).shape[3] == opening
+
+        def copied_by_turn(user_text: str) -> int:
+            before = scheduler.runner.timing.prefix_rows_copied
+            h = scheduler.open_stream(params=model.default_sampling(greedy=True), seed=0)
+            h.begin_turn(user_text=user_text, max_frames=3, wait=60)
+            h.push_token_ids(ids)
+            h.end_text()
+            while not isinstance(event := h.get(timeout=120), TurnEnd):
+                assert not isinstance(event, StreamError), event
+            h.close()
+            return scheduler.runner.timing.prefix_rows_copied - before
+
+        assert copied_by_turn("") == opening
+        assert copied_by_turn("Read this aloud, please.") == system
+        assert scheduler.prefix_cache.stats.entries == 1
+    finally:
+        scheduler.stop()
