@@ -42,6 +42,26 @@ DEFAULT_PREFILL_ROWS_PER_TICK = 64
 SERVICE_CODEC_SCHEDULE = (1, 1, 2, 4, 6)   # frames per codec call along a turn (the last repeats)
 
 
+def frames_to_decode(available: int, ended: bool, target: int, ahead_s: float | None, tick_s: float,
+                     codec_call_s: float, frame_s: float) -> int:
+    """How many of a stream's ``available`` generated frames the codec decodes now (0: wait for more).
+
+    A chunk of ``target`` frames (the schedule's size for this call) once there are that many; everything
+    when the turn has ended. Earlier, with fewer frames, only to keep playback going: when the listener's
+    remaining audio (``ahead_s``) would run out before the next tick and codec call could deliver. A listener
+    already starved (``ahead_s <= 0``) of a stream that generates slower than real time gains nothing from
+    small calls, which cost the codec's whole weight read each: such a stream keeps the schedule's chunk,
+    the fastest way through its remaining audio.
+    """
+    if ended:
+        return min(available, MAX_FRAMES_PER_CALL)
+    if available >= target:
+        return target
+    if ahead_s is not None and ahead_s <= 2 * (tick_s + codec_call_s) and (ahead_s > 0 or tick_s < frame_s):
+        return available
+    return 0
+
+
 @dataclass
 class RunnerTiming:
     prefill: CallTiming = field(default_factory=CallTiming)
@@ -321,15 +341,9 @@ class StepRunner:
             return []
         ended = len(same) < len(e.pending) or e.stream.turn_serial != turn or e.stream.turn_done or e.stream.closed
         target = self.codec_schedule[min(e.chunks, len(self.codec_schedule) - 1)]
-        if ended:
-            return audio[:MAX_FRAMES_PER_CALL]
-        if len(audio) >= target:
-            return audio[:target]
-        if e.play_start is not None:
-            ahead = e.play_start + e.audio_s - now      # audio the listener still has to play
-            if ahead <= 2 * (self._tick_s + self._codec_call_s):
-                return audio
-        return []
+        ahead = None if e.play_start is None else e.play_start + e.audio_s - now
+        return audio[:frames_to_decode(len(audio), ended, target, ahead, self._tick_s, self._codec_call_s,
+                                       self._frame_s)]
 
     def _hand_back(self, result: TickResult) -> None:
         now = time.monotonic()

@@ -335,3 +335,20 @@ def test_admission_is_first_come_first_served_and_a_closed_slot_is_free_at_once(
         threads[2][1].close()
     finally:
         scheduler.stop()
+
+
+def test_codec_chunking_policy():
+    """Frames go to the codec in the schedule's chunks; early only while that keeps playback going, and
+    never in small calls for a listener already starved by a stream slower than real time."""
+    from engine.runner import frames_to_decode
+
+    fast, slow, codec, frame = 0.02, 0.3, 0.1, 0.08      # tick durations faster / slower than one 80 ms frame
+    assert frames_to_decode(1, False, 1, None, slow, codec, frame) == 1          # the first chunk: at once
+    assert frames_to_decode(4, False, 6, None, slow, codec, frame) == 0          # wait for a chunk of 6
+    assert frames_to_decode(9, False, 6, 5.0, slow, codec, frame) == 6
+    assert frames_to_decode(3, True, 6, 5.0, slow, codec, frame) == 3            # the turn ended: all of it
+    assert frames_to_decode(3, False, 6, 5.0, fast, codec, frame) == 0           # plenty to play: keep chunking
+    assert frames_to_decode(3, False, 6, 0.1, fast, codec, frame) == 3           # about to run dry: decode now
+    assert frames_to_decode(3, False, 6, 0.1, slow, codec, frame) == 3
+    assert frames_to_decode(3, False, 6, -0.5, fast, codec, frame) == 3          # starved, but it can catch up
+    assert frames_to_decode(3, False, 6, -0.5, slow, codec, frame) == 0          # starved and slow: full chunks
