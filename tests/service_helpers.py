@@ -51,12 +51,17 @@ class Server:
         return Path(self.log_path).read_text(errors="replace")
 
     def stop(self, timeout: float = 60) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
         self._log.close()
-        return self.proc.returncode
+        return stop_process(self.proc, timeout)
+
+
+def stop_process(proc: subprocess.Popen, timeout: float) -> int:
+    """SIGTERM (a graceful shutdown), SIGKILL after ``timeout`` s; the exit status."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    return proc.returncode

@@ -9,7 +9,6 @@ import importlib.metadata
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 import time
@@ -23,7 +22,7 @@ import soundfile as sf
 from app.localai import backend_pb2 as pb
 from app.localai import backend_pb2_grpc as pb_grpc
 from conftest import GOLDEN, TEST_DEVICE, golden
-from service_helpers import free_port
+from service_helpers import free_port, stop_process
 
 TEXT = ("Welcome to the world of MOSS TTS Realtime. Experience how text transforms into smooth, "
         "human-like speech in real time, one small step after another.")
@@ -70,15 +69,8 @@ class Backend:
 
     def stop(self, timeout: float = 30) -> int:
         self.channel.close()
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
         self._log.close()
-        return self.proc.returncode
+        return stop_process(self.proc, timeout)
 
 
 def rpc_error(call, *args, **kwargs) -> grpc.RpcError:

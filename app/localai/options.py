@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Callable
 
 from ..audio_formats import MAX_SPEED, MIN_SPEED
+from ..service import SamplingFields
 
 BACKEND_NAME = "moss-tts-realtime"
 
@@ -207,13 +208,7 @@ def load_config(request) -> LoadConfig:
 class TTSParams:
     """``TTSRequest.params``, coerced (None = the bundle's default)."""
 
-    greedy: bool | None = None
-    seed: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    repetition_penalty: float | None = None
-    repetition_window: int | None = None
+    sampling: SamplingFields = field(default_factory=SamplingFields)
     max_frames: int | None = None
     speed: float = 1.0
     ignored: tuple[str, ...] = ()
@@ -246,4 +241,5 @@ def parse_tts_params(params) -> TTSParams:
         if not str(text).strip():
             continue                              # an empty value = unset
         values[key] = spec[0](f"params[{key!r}]", str(text))
-    return TTSParams(**values, ignored=tuple(sorted(ignored)))
+    sampling = {k: values.pop(k) for k in list(values) if k in SamplingFields.__dataclass_fields__}
+    return TTSParams(sampling=SamplingFields(**sampling), **values, ignored=tuple(sorted(ignored)))

@@ -54,7 +54,7 @@ from engine.voices import read_reference_audio, resolve_voice
 
 from ..audio_formats import StreamEncoder
 from ..errors import ApiError
-from ..service import DEFAULT_VOICE, OPENAI_VOICES, SamplingFields, TTSService
+from ..service import DEFAULT_VOICE, OPENAI_VOICES, TTSService
 from ..settings import ServerSettings
 from . import backend_pb2 as pb
 from . import backend_pb2_grpc as pb_grpc
@@ -553,9 +553,7 @@ class MossTTSBackend(pb_grpc.BackendServicer):
             max_frames = service.limits.check_max_frames(p.max_frames)
         except InputError as e:
             raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, f"params['max_frames']: {e}") from None
-        params = service.sampling(SamplingFields(seed=p.seed, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k,
-                                                 repetition_penalty=p.repetition_penalty,
-                                                 repetition_window=p.repetition_window, greedy=p.greedy))
+        params = service.sampling(p.sampling)
         voice = self._voice(loaded, request.voice)
         try:
             ids = model.tokenizer.encode(text)
@@ -564,7 +562,7 @@ class MossTTSBackend(pb_grpc.BackendServicer):
                                            max_frames or service.limits.default_max_frames(len(ids)))
         except InputError as e:
             raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, f"text: {e}") from None
-        return _Job(ids=ids, voice=voice, params=params, seed=p.seed, max_frames=max_frames, speed=p.speed,
+        return _Job(ids=ids, voice=voice, params=params, seed=p.sampling.seed, max_frames=max_frames, speed=p.speed,
                     sample_rate=model.codec.sample_rate)
 
     def _voice(self, loaded: _Loaded, requested: str) -> np.ndarray | None:

@@ -280,20 +280,16 @@ class WsSession:
         await self.send_json({"type": "input.user.accepted", "text_chars": len(self.user_text),
                               "audio_frames": 0 if self.user_audio is None else len(self.user_audio)})
 
-    def _refused(self, kind: str) -> bool:
+    def _refuse_text_of_refused_turn(self) -> None:
         """After a turn could not open (no capacity, context full), its remaining text is refused at once
         until the client ends that turn with input.done; then the next text opens a new attempt."""
-        if not self.turn_refused:
-            return False
-        if kind == "input.done":
-            self.turn_refused = False
-        return True
+        if self.turn_refused:
+            raise ApiError(400, "this turn could not open (see the previous error); its text is dropped until "
+                           "input.done", code="turn_refused")
 
     async def on_text(self, data: dict) -> None:
         msg = TextInput.model_validate(data)
-        if self._refused("input.text"):
-            raise ApiError(400, "this turn could not open (see the previous error); its text is dropped until "
-                           "input.done", code="turn_refused")
+        self._refuse_text_of_refused_turn()
         await self._open_turn()
         self._check_buffer(len(msg.text))
         self.turn_text_tokens += self.handle.push_text(msg.text)
@@ -301,16 +297,15 @@ class WsSession:
     async def on_tokens(self, data: dict) -> None:
         msg = TokensInput.model_validate(data)
         self.service.model.check_text_ids(msg.ids)        # refuse bad ids before a turn opens
-        if self._refused("input.tokens"):
-            raise ApiError(400, "this turn could not open (see the previous error); its text is dropped until "
-                           "input.done", code="turn_refused")
+        self._refuse_text_of_refused_turn()
         await self._open_turn()
         self._check_buffer(len(msg.ids))
         self.turn_text_tokens += self.handle.push_token_ids(msg.ids)
 
     async def on_done(self, data: dict) -> None:
         Bare.model_validate(data)
-        if self._refused("input.done"):
+        if self.turn_refused:
+            self.turn_refused = False
             await self.send_json({"type": "response.refused", "reason": "the turn could not open"})
             return
         if not self.turn_open or self.handle is None or not self.handle.stream.has_turn:
