@@ -238,6 +238,25 @@ def test_damaged_bundles_are_named(damage, message, capsys, tmp_path, full_bundl
     assert_clean_error(code, err, message)
 
 
+def test_service_verifies_the_bundle_at_start(tmp_path, full_bundle_dir):
+    """``serve --verify full`` reads every byte before it listens: a same-size corruption stops the start
+    with status 2 and names the file (a regression would start serving instead: the timeout catches it)."""
+    import subprocess
+    import sys
+
+    from service_helpers import free_port
+
+    copy = tmp_path / "b"
+    shutil.copytree(full_bundle_dir, copy)
+    data = bytearray((copy / "depth.onnx.data").read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    (copy / "depth.onnx.data").write_bytes(bytes(data))
+    proc = subprocess.run([sys.executable, "-m", "mossrt.cli", "serve", "--bundle", str(copy), "--verify", "full",
+                           "--port", str(free_port()), "--voices-dir", str(tmp_path / "voices")],
+                          capture_output=True, text=True, timeout=120)
+    assert_clean_error(proc.returncode, proc.stderr, "depth.onnx.data does not match its manifest checksum")
+
+
 def test_graph_producing_nan_is_an_error(capsys, tmp_path, full_bundle_dir):
     """A damaged weight (NaN) makes synthesis fail with an error, never all-zero codes and status 0."""
     import onnx
