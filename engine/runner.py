@@ -340,8 +340,11 @@ class StepRunner:
         if not audio:
             return []
         ended = len(same) < len(e.pending) or e.stream.turn_serial != turn or e.stream.turn_done or e.stream.closed
-        target = self.codec_schedule[min(e.chunks, len(self.codec_schedule) - 1)]
-        ahead = None if e.play_start is None else e.play_start + e.audio_s - now
+        if e.codec_turn == turn:
+            chunks, ahead = e.chunks, None if e.play_start is None else e.play_start + e.audio_s - now
+        else:                       # a new turn: its first frame is decoded at once, like any turn's
+            chunks, ahead = 0, None
+        target = self.codec_schedule[min(chunks, len(self.codec_schedule) - 1)]
         return audio[:frames_to_decode(len(audio), ended, target, ahead, self._tick_s, self._codec_call_s,
                                        self._frame_s)]
 

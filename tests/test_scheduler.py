@@ -352,3 +352,26 @@ def test_codec_chunking_policy():
     assert frames_to_decode(3, False, 6, 0.1, slow, codec, frame) == 3
     assert frames_to_decode(3, False, 6, -0.5, fast, codec, frame) == 3          # starved, but it can catch up
     assert frames_to_decode(3, False, 6, -0.5, slow, codec, frame) == 0          # starved and slow: full chunks
+
+
+def test_every_turn_starts_with_a_one_frame_codec_chunk(model):
+    """A later turn of a stream gets its first frame's audio as soon as that frame exists, like the first
+    turn: the chunk schedule and the playback clock start again with each turn."""
+    from engine.runner import SERVICE_CODEC_SCHEDULE, StepRunner
+    from engine.stream import StreamState
+
+    stream = StreamState(model, params=model.default_sampling(greedy=True), seed=0)
+    runner = StepRunner(model, 1, stream.limits.max_context_rows, codec_schedule=SERVICE_CODEC_SCHEDULE)
+    runner.attach(stream)
+    ids = model.tokenizer.encode("One sentence, spoken twice over, as two turns of one stream.")
+    for user_text in ("", "And again?"):
+        stream.begin_turn(user_text=user_text, max_frames=12)
+        stream.push_token_ids(ids)
+        stream.end_text()
+        generated_at_first_audio = None
+        while not stream.turn_done or runner.has_work():
+            handed = runner.tick().frames
+            if handed and generated_at_first_audio is None:
+                assert handed[0][1].audio is not None
+                generated_at_first_audio = stream.stats.frames
+        assert generated_at_first_audio == 1, user_text
