@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import soxr
 
-from .audio_io import read_audio
 from .bundle import Bundle
 from .codec_stream import StreamingDecoder
 from .errors import InputError
@@ -120,10 +117,6 @@ class Codec:
             state.advance(presents, np.array([n], np.int64))
             out.append(codes[0])
         return np.concatenate(out, 0)
-
-    def encode_file(self, path: str | Path) -> np.ndarray:
-        wav, sr = read_audio(path)
-        return self.encode(wav, sr)
 
     # ------------------------------------------------------------------ decode
     def streaming_decoder(self, slots: int = 1, n_quantizers: int = 16) -> StreamingDecoder:

@@ -33,10 +33,6 @@ class StreamingDecoder:
         self.timing = CallTiming()
 
     @property
-    def batch_size(self) -> int:
-        return self.slots
-
-    @property
     def frame_positions(self) -> np.ndarray:
         return self.state.frame_pos.copy()
 

@@ -10,7 +10,6 @@ the very same graphs run, and every test exercises them.
 
 from __future__ import annotations
 
-import threading
 
 import numpy as np
 import onnx
@@ -28,10 +27,6 @@ class DeviceTensor:
         self.device = device
         self.value = ort.OrtValue.ortvalue_from_shape_and_type(list(self.shape), np.float32, device, 0)
         self.row_bytes = int(np.prod(self.shape[1:])) * 4     # bytes of one index of the leading axis
-
-    @property
-    def nbytes(self) -> int:
-        return self.shape[0] * self.row_bytes
 
     def view(self, start: int, count: int) -> tuple[int, list[int]]:
         """(pointer, shape) of ``tensor[start:start+count]``."""
@@ -102,7 +97,6 @@ class SlotRows:
         opts.log_severity_level = 3
         self._sessions = {name: ort.InferenceSession(g, opts, providers=providers)
                           for name, g in (("write", write), ("copy", copy), ("read", read))}
-        self._lock = threading.Lock()
 
     def _bind_dst(self, binding, tensors: list[DeviceTensor], slot: int) -> None:
         for k, t in enumerate(tensors):

@@ -61,10 +61,10 @@ def generate(model, text: str | None = None, text_ids=None, voice_codes: np.ndar
 
 
 def synthesize(model, generation: Generation) -> np.ndarray:
-    """Decode a generation's codes through the codec's streaming decoder, frame by frame (frames that
-    are not playable are dropped, as in a streaming session)."""
+    """Decode a generation's codes in as few codec calls as the codec allows (each call reads all of the
+    codec's weights; the audio is the same for any chunking); frames that are not playable are dropped,
+    as in a streaming session."""
     codes = [c for c in generation.codes if playable(c, model.layout.codebook_size)]
     if not codes:
         return np.zeros(0, np.float32)
-    dec = model.codec.streaming_decoder(1, model.layout.codebooks)
-    return np.concatenate([dec.decode(c[None]) for c in codes])
+    return model.codec.decode(np.stack(codes), model.layout.codebooks)

@@ -44,9 +44,6 @@ class BackboneKVPool:
     def nbytes_per_slot(self) -> int:
         return sum(t.row_bytes for t in self.tensors)
 
-    def room(self, slot: int) -> int:
-        return self.rows - int(self.lengths[slot])
-
     def bind(self, binding: ort.IOBinding, lo: int, hi: int) -> None:
         """Bind slots ``lo..hi-1`` as each layer's past and present (the same memory: in place)."""
         for layer in range(self.layers):

@@ -8,6 +8,7 @@ processor's user segment with its 12-token text/audio delay. Caller text inside 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -95,10 +96,14 @@ class PromptBuilder:
             rows[slots, 1:] = voice_codes
         return rows
 
+    @functools.cached_property
+    def assistant_header(self) -> np.ndarray:
+        """The rows of the assistant header that follows a text-only system block."""
+        return self.text_rows(self.tok.encode_parts([Trusted(ASSISTANT_HEADER)]))
+
     def tts_prompt(self, voice_codes: np.ndarray | None = None) -> np.ndarray:
         """Non-streaming TTS prompt (upstream ``inferencer.py``): system block + assistant header."""
-        return np.concatenate([self.system_block(voice_codes),
-                               self.text_rows(self.tok.encode_parts([Trusted(ASSISTANT_HEADER)]))])
+        return np.concatenate([self.system_block(voice_codes), self.assistant_header])
 
     def turn_prompt(self, first_turn: bool, voice_codes: np.ndarray | None, user_text: str = "",
                     user_audio: np.ndarray | None = None, allow_special: bool = False) -> np.ndarray:

@@ -72,10 +72,6 @@ class RunnerTiming:
     tick_s: float = 0.0
     prefix_rows_copied: int = 0
 
-    @property
-    def graph_run_s(self) -> float:
-        return sum(t.run_s for t in (self.prefill, self.step, self.depth, self.codec))
-
 
 @dataclass
 class _Entry:
@@ -167,9 +163,6 @@ class StepRunner:
         self._entries.pop()
         self.kv.lengths[len(self._entries)] = 0
 
-    def slot_of(self, stream: StreamState) -> int:
-        return self._entry(stream).slot
-
     def context_kv(self, stream: StreamState) -> np.ndarray:
         """A copy of the stream's KV rows [layers, 2, kv_heads, rows, head_dim] (tests, diagnostics)."""
         return self.kv.rows_of(self._entry(stream).slot)
@@ -219,7 +212,7 @@ class StepRunner:
 
     def has_work(self) -> bool:
         """Whether a tick now would run a graph or hand back frames."""
-        return any(e.request is not None or e.pending for e in self._entries)
+        return self.seconds_until_work() == 0
 
     # ------------------------------------------------------------------ prefill, step, depth
     def _chunk_end(self, e: _Entry) -> int:
@@ -260,6 +253,7 @@ class StepRunner:
         done = []
         budget = self.prefill_rows_per_tick
         for e in entries:
+            last = None                     # the hidden state of the request's last row, once computed
             if e.request is not None and not e.stream.aborted(e.request):
                 self._from_prefix_cache(e)
             while budget > 0 and e.request is not None and e.fed < len(e.request.rows):
@@ -282,11 +276,12 @@ class StepRunner:
                 e.fed = end
                 budget -= len(rows)
                 self._to_prefix_cache(e)
-                if e.fed == len(e.request.rows):
-                    done.append((e, hidden[0, -1]))
-            if e.request is not None and e.fed == len(e.request.rows) and not any(d[0] is e for d in done):
-                done.append((e, None))      # rows all from the prefix cache: nothing left to compute
-        return [(e, h) for e, h in done if h is not None or not e.request.sample]
+                last = hidden[0, -1]
+            if e.request is not None and e.fed == len(e.request.rows):
+                # None only for a prime whose rows all came from the prefix cache (no frame follows it): a
+                # turn's rows always run past its cacheable prefix
+                done.append((e, last))
+        return done
 
     def _step(self, entries: list[_Entry], result: TickResult) -> list[tuple[_Entry, np.ndarray]]:
         def run(group: list[_Entry]) -> list[tuple[_Entry, np.ndarray]]:
@@ -335,18 +330,36 @@ class StepRunner:
         """The pending frames whose audio is decoded now: the head of the pending list up to the turn's
         chunk size, all of it when the turn ended, or when waiting longer would starve the listener."""
         turn = e.pending[0].turn
+        if e.codec_turn != turn:     # the previous turn is all handed back: start this one's codec stream
+            self.decoder.reset(e.slot)   # each turn's audio is its own codec stream (as upstream)
+            e.codec_turn, e.chunks, e.play_start, e.audio_s = turn, 0, None, 0.0
         same = [f for f in e.pending if f.turn == turn]
-        audio = [f for f in same if e.stream.needs_audio(f)]
+        audio = [f for f in same if f.needs_audio]
         if not audio:
             return []
         ended = len(same) < len(e.pending) or e.stream.turn_serial != turn or e.stream.turn_done or e.stream.closed
-        if e.codec_turn == turn:
-            chunks, ahead = e.chunks, None if e.play_start is None else e.play_start + e.audio_s - now
-        else:                       # a new turn: its first frame is decoded at once, like any turn's
-            chunks, ahead = 0, None
-        target = self.codec_schedule[min(chunks, len(self.codec_schedule) - 1)]
+        ahead = None if e.play_start is None else e.play_start + e.audio_s - now
+        target = self.codec_schedule[min(e.chunks, len(self.codec_schedule) - 1)]
         return audio[:frames_to_decode(len(audio), ended, target, ahead, self._tick_s, self._codec_call_s,
                                        self._frame_s)]
+
+    def seconds_until_work(self) -> float | None:
+        """When a tick would next have something to do: 0 now (a request to feed, frames to decode or hand
+        back), the seconds until some listener's audio runs low enough for pending frames to be decoded
+        early, or None when nothing changes until a stream does (new text, a resumed consumer, a close)."""
+        if any(e.request is not None for e in self._entries):
+            return 0.0
+        now, soonest = time.monotonic(), None
+        for e in self._entries:
+            if not e.pending:
+                continue
+            if not e.pending[0].needs_audio or self._due(e, now):
+                return 0.0
+            if e.play_start is not None:
+                wait = e.play_start + e.audio_s - now - 2 * (self._tick_s + self._codec_call_s)
+                if wait > 0:
+                    soonest = wait if soonest is None else min(soonest, wait)
+        return soonest
 
     def _hand_back(self, result: TickResult) -> None:
         now = time.monotonic()
@@ -354,7 +367,7 @@ class StepRunner:
         if due:
             self._decode(due, result)
         for e in self._entries:
-            while e.pending and (e.pending[0].audio is not None or not e.stream.needs_audio(e.pending[0])):
+            while e.pending and (e.pending[0].audio is not None or not e.pending[0].needs_audio):
                 frame = e.pending.pop(0)
                 result.frames.append((e.stream, frame))
             if not e.pending:
@@ -368,9 +381,6 @@ class StepRunner:
             codes = np.zeros((hi, n, self.model.codec.num_quantizers), np.int64)
             count = np.zeros(hi, np.int64)
             for e, fs in group:
-                if e.codec_turn != fs[0].turn:
-                    self.decoder.reset(e.slot)   # each turn's audio is its own codec stream (as upstream)
-                    e.codec_turn, e.chunks, e.play_start, e.audio_s = fs[0].turn, 0, None, 0.0
                 for i, f in enumerate(fs):
                     codes[e.slot, i, : len(f.codes)] = f.codes
                 count[e.slot] = len(fs)

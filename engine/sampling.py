@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -35,9 +35,6 @@ class SamplingParams:
         fields = {k: v for k, v in defaults.items() if k in cls.__dataclass_fields__}
         fields.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**fields).validated()
-
-    def with_(self, **changes) -> "SamplingParams":
-        return replace(self, **{k: v for k, v in changes.items() if v is not None}).validated()
 
     def validated(self) -> "SamplingParams":
         def num(name, value):

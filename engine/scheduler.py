@@ -384,11 +384,15 @@ class Scheduler:
 
     # ------------------------------------------------------------------ the loop (its own thread)
     def _loop(self) -> None:
-        worked = False
+        wait_s: float | None = None     # from the last tick: 0 tick again, None sleep until woken, else at most
         while True:
             with self._cond:
-                while not (self._dirty or worked or self._stop):
-                    self._cond.wait()
+                deadline = None if wait_s is None else time.monotonic() + wait_s
+                while not (self._dirty or self._stop):
+                    left = None if deadline is None else deadline - time.monotonic()
+                    if left is not None and left <= 0:
+                        break
+                    self._cond.wait(left)
                 self._dirty = False
                 if self._stop:
                     break
@@ -403,10 +407,12 @@ class Scheduler:
                     h.attached = True
                 self._to_attach.clear()
                 handles = list(self._handles)
-            worked = self._tick(handles)
+            wait_s = self._tick(handles)
         self._shutdown()
 
-    def _tick(self, handles: list[StreamHandle]) -> bool:
+    def _tick(self, handles: list[StreamHandle]) -> float | None:
+        """One runner tick and its events to the handles; returns how long the loop may sleep (see
+        ``StepRunner.seconds_until_work``): frames waiting for their codec chunk are no reason to spin."""
         try:
             result = self.runner.tick()
         except Exception as exc:  # noqa: BLE001 - a bug in the loop must not kill every stream silently
@@ -430,7 +436,9 @@ class Scheduler:
                 h = by_stream.get(id(stream))
                 if h is not None:
                     h.sink.put(TurnEnd(turn, stats))
-        return bool(result is not None and (result.worked or self.runner.has_work()))
+        if result is None:
+            return None
+        return 0.0 if result.worked else self.runner.seconds_until_work()
 
     def _shutdown(self) -> None:
         for h in list(self._handles) + list(self._to_attach):

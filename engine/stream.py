@@ -66,6 +66,7 @@ class Frame:
     audio: np.ndarray | None = None
     eos: bool = False
     turn: int = 0            # the stream's turn number (1, 2, ...)
+    needs_audio: bool = False  # the codec decodes it: a playable frame of a stream that decodes audio
 
 
 @dataclass
@@ -158,7 +159,7 @@ class StreamState:
         self.paused = False                     # a consumer that does not keep up holds the stream
         self._finished: list[tuple[int, TurnStats]] = []
         self.system_rows = len(model.prompt.system_block(self.voice_codes))
-        self.tts_prompt_rows = len(model.prompt.tts_prompt(self.voice_codes))    # + the assistant header
+        self.tts_prompt_rows = self.system_rows + len(model.prompt.assistant_header)
 
     # ------------------------------------------------------------------ views
     @property
@@ -441,12 +442,11 @@ class StreamState:
             self._finish(FinishReason.EOS)
         elif not playable(codes, lay.codebook_size):
             t.stats.dropped_frames += 1
+        else:
+            frame.needs_audio = self.decode_audio
         if not frame.eos and t.text_ended and not t.pending and t.stats.frames >= self._frame_limit():
             self._finish(FinishReason.MAX_FRAMES)
         return frame
-
-    def needs_audio(self, frame: Frame) -> bool:
-        return self.decode_audio and not frame.eos and playable(frame.codes, self.model.layout.codebook_size)
 
     # ------------------------------------------------------------------ internals
     def _request(self, rows: np.ndarray, first: bool, prefix_cuts: tuple[int, ...] = ()) -> StepRequest:

@@ -375,3 +375,35 @@ def test_every_turn_starts_with_a_one_frame_codec_chunk(model):
                 assert handed[0][1].audio is not None
                 generated_at_first_audio = stream.stats.frames
         assert generated_at_first_audio == 1, user_text
+
+
+def test_a_stream_waiting_for_text_leaves_the_loop_asleep(model):
+    """While a stream waits for more text with a few frames held back for their codec chunk, the loop
+    sleeps until the listener's audio runs low (CPU time of the process stays near zero) instead of
+    ticking in a busy loop; the held frames still arrive, early, once they are needed."""
+    from engine.scheduler import FrameEvent, Scheduler, StreamError, TurnEnd
+
+    scheduler = Scheduler(model, slots=1)
+    try:
+        h = scheduler.open_stream(params=model.default_sampling(greedy=True), seed=0)
+        h.begin_turn(max_frames=200, wait=60)
+        ids = model.tokenizer.encode(" ".join(["a quiet loop sleeps"] * 20))
+        h.push_token_ids(ids[:52])                     # 12 to prefill + 40 frames: ~3 s of audio ahead
+        deadline = time.monotonic() + 60
+        while h.stream.stats.stalls == 0:              # generated up to the end of the text
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        cpu = time.process_time()
+        time.sleep(1.0)
+        busy = time.process_time() - cpu
+        h.push_token_ids(ids[52:60])
+        h.end_text()
+        frames = []
+        while not isinstance(event := h.get(timeout=60), TurnEnd):
+            assert not isinstance(event, StreamError), event
+            frames.append(event.frame)
+        assert busy < 0.2, f"the scheduler loop used {busy:.2f} s of CPU in 1 s of waiting"
+        assert [f.index for f in frames] == list(range(len(frames))) and len(frames) > 40
+        assert all(f.audio is not None for f in frames if f.needs_audio)
+    finally:
+        scheduler.stop()
