@@ -80,7 +80,7 @@ wait_for() {  # PATH TIMEOUT: poll until GET PATH answers 200
     local path=$1 timeout=$2 out
     local deadline=$((SECONDS + timeout))
     while :; do
-        out=$(http_get "http://127.0.0.1:$port$path")
+        out=$(http_get "http://127.0.0.1:$PORT$path")
         if [[ ${out%% *} == 200 ]]; then
             say "GET $path -> $out ($((SECONDS - started)) s after start)"
             return 0
@@ -105,7 +105,6 @@ say "docker/install.sh took $((SECONDS - t0)) s"
 
 # ------------------------------------------------------------------------------------------- serve
 PORT=$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
-port=$PORT
 # a clean environment for the server: no MOSSRT_* from the caller (MOSSRT_BUNDLE unset -> demo bundle),
 # and nothing written to the home directory
 while IFS= read -r name; do unset "$name"; done < <(compgen -e | grep '^MOSSRT_' || true)

@@ -105,23 +105,22 @@ values_files=("$CHART"/ci/*-values.yaml)
 shopt -u nullglob
 (( ${#values_files[@]} > 0 )) || die "no values files in $CHART/ci"
 
-log "helm lint $CHART (defaults)"
-"$HELM" lint --strict "$CHART" --namespace "$NAMESPACE" >"$tmp/lint.log" 2>&1 \
-    || { cat "$tmp/lint.log" >&2; die "helm lint $CHART"; }
-"$HELM" template "$RELEASE" "$CHART" --namespace "$NAMESPACE" >"$rendered/default.yaml" 2>"$tmp/template.log" \
-    || { cat "$tmp/template.log" >&2; die "helm template $CHART (defaults)"; }
-
-for vf in "${values_files[@]}"; do
-    name=$(basename "$vf" .yaml)
-    log "helm lint + template with $vf"
-    "$HELM" lint --strict "$CHART" --namespace "$NAMESPACE" -f "$vf" >"$tmp/lint.log" 2>&1 \
-        || { cat "$tmp/lint.log" >&2; die "helm lint $CHART -f $vf"; }
-    "$HELM" template "$RELEASE" "$CHART" --namespace "$NAMESPACE" -f "$vf" >"$rendered/$name.yaml" 2>"$tmp/template.log" \
-        || { cat "$tmp/template.log" >&2; die "helm template $CHART -f $vf"; }
+# "" is the chart's own values.yaml (rendered as default.yaml), then every values file
+for vf in "" "${values_files[@]}"; do
+    if [[ -z $vf ]]; then
+        name=default what="(defaults)" args=()
+    else
+        name=$(basename "$vf" .yaml) what="-f $vf" args=(-f "$vf")
+    fi
+    log "helm lint + template $what"
+    "$HELM" lint --strict "$CHART" --namespace "$NAMESPACE" "${args[@]}" >"$tmp/lint.log" 2>&1 \
+        || { cat "$tmp/lint.log" >&2; die "helm lint $CHART $what"; }
+    "$HELM" template "$RELEASE" "$CHART" --namespace "$NAMESPACE" "${args[@]}" >"$rendered/$name.yaml" \
+        2>"$tmp/template.log" || { cat "$tmp/template.log" >&2; die "helm template $CHART $what"; }
     # NOTES.txt is only rendered by install/upgrade: a client-side dry run needs no cluster.
-    "$HELM" install "$RELEASE" "$CHART" --namespace "$NAMESPACE" -f "$vf" --dry-run=client >"$tmp/notes.log" 2>&1 \
-        && grep -q '^NOTES:' "$tmp/notes.log" \
-        || { cat "$tmp/notes.log" >&2; die "NOTES.txt does not render with $vf"; }
+    "$HELM" install "$RELEASE" "$CHART" --namespace "$NAMESPACE" "${args[@]}" --dry-run=client \
+        >"$tmp/notes.log" 2>&1 && grep -q '^NOTES:' "$tmp/notes.log" \
+        || { cat "$tmp/notes.log" >&2; die "NOTES.txt does not render $what"; }
 done
 
 # Values that must be refused at render time (template-time validation in _helpers.tpl).

@@ -25,6 +25,12 @@ warn() {
     printf '\n' >&2
 }
 
+# warn, then exit 0: a browser that cannot be installed never fails the CI run
+give_up() {
+    warn "$@"
+    exit 0
+}
+
 version() { "$CHROMIUM" --version 2>/dev/null || echo "(version unknown)"; }
 
 if [[ -x $CHROMIUM ]]; then
@@ -33,8 +39,7 @@ if [[ -x $CHROMIUM ]]; then
 fi
 
 if ! command -v apt-get >/dev/null 2>&1; then
-    warn "apt-get not found (not a Debian/Ubuntu machine)"
-    exit 0
+    give_up "apt-get not found (not a Debian/Ubuntu machine)"
 fi
 
 SUDO=()
@@ -42,8 +47,7 @@ if [[ $(id -u) -ne 0 ]]; then
     if command -v sudo >/dev/null 2>&1 && sudo -n true 2>/dev/null; then
         SUDO=(sudo -n)
     else
-        warn "not root and no password-less sudo"
-        exit 0
+        give_up "not root and no password-less sudo"
     fi
 fi
 
@@ -57,17 +61,14 @@ export DEBIAN_FRONTEND=noninteractive
 t0=$SECONDS
 say "installing chromium: apt-get update"
 if ! "${SUDO[@]}" "${TIMEOUT[@]}" apt-get update -q >&2; then
-    warn "apt-get update failed"
-    exit 0
+    give_up "apt-get update failed"
 fi
 say "installing chromium: apt-get install -y --no-install-recommends chromium"
 if ! "${SUDO[@]}" "${TIMEOUT[@]}" apt-get install -y -q --no-install-recommends chromium >&2; then
-    warn "apt-get install chromium failed"
-    exit 0
+    give_up "apt-get install chromium failed"
 fi
 
 if [[ ! -x $CHROMIUM ]]; then
-    warn "the chromium package installed but $CHROMIUM is missing"
-    exit 0
+    give_up "the chromium package installed but $CHROMIUM is missing"
 fi
 say "chromium installed in $((SECONDS - t0)) s: $CHROMIUM: $(version)"

@@ -47,7 +47,7 @@ venv=$(cd "$(dirname "$venv_arg")" && pwd -P)/$(basename "$venv_arg")
 python=${PYTHON:-python3}
 
 export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_INPUT=1 PIP_NO_CACHE_DIR=1
-pip=("$venv/bin/python" -m pip --no-cache-dir)
+pip=("$venv/bin/python" -m pip)
 start=$SECONDS
 
 scratch=$(mktemp -d "${TMPDIR:-/tmp}/mossrt-install.XXXXXX")

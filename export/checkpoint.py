@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Callable, TypeVar
 
 import numpy as np
 from safetensors import safe_open
@@ -11,6 +12,20 @@ from safetensors import safe_open
 
 class CheckpointError(ValueError):
     """The checkpoint directory is unusable: missing files, or tensors missing / unexpected / misshapen."""
+
+
+T = TypeVar("T")
+
+
+def parse_config(parse: Callable[[dict], T], cfg: dict, what: str) -> T:
+    """``parse(cfg)``, with a malformed config (a missing key, a value of the wrong type) reported as a
+    :class:`CheckpointError` naming ``what`` instead of a traceback; its own CheckpointErrors pass through."""
+    try:
+        return parse(cfg)
+    except CheckpointError:
+        raise
+    except (KeyError, TypeError, ValueError, IndexError) as e:
+        raise CheckpointError(f"not a usable {what} config.json ({type(e).__name__}: {e})") from None
 
 
 class Checkpoint:

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 from onnx import TensorProto
 
-from .checkpoint import Checkpoint, CheckpointError, weight_norm
+from .checkpoint import Checkpoint, CheckpointError, parse_config, weight_norm
 from .graph import GraphBuilder
 
 FLOAT, INT64 = TensorProto.FLOAT, TensorProto.INT64
@@ -65,12 +65,7 @@ def parse_codec_config(cfg: dict) -> CodecSpec:
     if "language_config" in cfg:
         raise CheckpointError("this is a MOSS-TTS-Realtime checkpoint, not a codec: pass it as --model "
                               "(and the MOSS-Audio-Tokenizer directory as --codec)")
-    try:
-        return _parse_codec_config(cfg)
-    except CheckpointError:
-        raise
-    except (KeyError, TypeError, ValueError, IndexError) as e:
-        raise CheckpointError(f"not a usable MOSS-Audio-Tokenizer config.json ({type(e).__name__}: {e})") from None
+    return parse_config(_parse_codec_config, cfg, "MOSS-Audio-Tokenizer")
 
 
 def _parse_codec_config(cfg: dict) -> CodecSpec:

@@ -332,6 +332,10 @@ class GraphBuilder:
     def cast(self, x: str, to: int) -> str:
         return self.op("Cast", [x], to=to)
 
+    def zeros(self, shape: str) -> str:
+        """float32 zeros of the shape held in the int64 value ``shape``."""
+        return self.op("ConstantOfShape", [shape], value=helper.make_tensor("zero", TensorProto.FLOAT, [1], [0.0]))
+
     def arange(self, n: str, dtype=np.int64) -> str:
         """``[0, 1, ..., n-1]`` for a scalar value ``n``."""
         return self.op("Range", [self.const(0, dtype), n, self.const(1, dtype)])

@@ -21,9 +21,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
-from onnx import TensorProto, helper
+from onnx import TensorProto
 
-from .checkpoint import Checkpoint, CheckpointError
+from .checkpoint import Checkpoint, CheckpointError, parse_config
 from .graph import GraphBuilder
 
 FLOAT, INT64, INT32, BOOL, DOUBLE = (TensorProto.FLOAT, TensorProto.INT64, TensorProto.INT32, TensorProto.BOOL,
@@ -133,12 +133,7 @@ def parse_tts_config(cfg: dict) -> TTSConfig:
                               "(and the MOSS-TTS-Realtime directory as --model)")
     if "language_config" not in cfg or "local_config" not in cfg:
         raise CheckpointError("not a MOSS-TTS-Realtime config: language_config / local_config missing")
-    try:
-        return _parse_tts_config(cfg)
-    except CheckpointError:
-        raise
-    except (KeyError, TypeError, ValueError) as e:
-        raise CheckpointError(f"not a usable MOSS-TTS-Realtime config.json ({type(e).__name__}: {e})") from None
+    return parse_config(_parse_tts_config, cfg, "MOSS-TTS-Realtime")
 
 
 def _parse_tts_config(cfg: dict) -> TTSConfig:
@@ -347,9 +342,8 @@ def sampling_filter(gb: GraphBuilder, logits: str, history: str, penalty: str, t
         # membership of each vocab id in the window, per codebook: scatter ones at the window's ids into a
         # [B, N, V + 1] map (the history pad V lands in the extra column); O(window), not O(window x V)
         ids = gb.transpose(history, [0, 2, 1])                                              # [B, N, W]
-        marks = gb.op("ConstantOfShape", [gb.concat([gb.op("Shape", [logits], start=0, end=2),
-                                                     gb.const([V + 1], np.int64)], 0)],
-                      value=helper.make_tensor("zero", FLOAT, [1], [0.0]))                  # [B, N, V+1]
+        marks = gb.zeros(gb.concat([gb.op("Shape", [logits], start=0, end=2),
+                                    gb.const([V + 1], np.int64)], 0))                      # [B, N, V+1]
         ones = gb.op("Expand", [gb.const(1.0), gb.op("Shape", [ids])])
         marks = gb.op("ScatterElements", [marks, ids, ones], axis=-1)
         seen = gb.op("Greater", [gb.op("Slice", [marks, gb.const([0], np.int64), gb.const([V], np.int64),
@@ -394,9 +388,8 @@ def sampling_filter(gb: GraphBuilder, logits: str, history: str, penalty: str, t
         last = gb.op("Sub", [n_win, gb.const(1, np.int64)])
         not_max = gb.op("Less", [gb.arange(n_win), last])                                   # always keep the max
         drop_win = gb.op("And", [gb.op("LessOrEqual", [cum, cut]), not_max])                 # [B, N, n_win]
-        drop = gb.op("ScatterElements", [gb.op("ConstantOfShape", [gb.op("Shape", [topk])],
-                                               value=helper.make_tensor("zero", FLOAT, [1], [0.0])),
-                                         order, gb.cast(drop_win, FLOAT)], axis=-1)
+        drop = gb.op("ScatterElements", [gb.zeros(gb.op("Shape", [topk])), order, gb.cast(drop_win, FLOAT)],
+                     axis=-1)
         p_on = _row(gb, gb.op("Less", [top_p, gb.const(1.0)]))
         drop = gb.op("And", [gb.op("Greater", [drop, gb.const(0.0)]), p_on])
         filtered = gb.op("Where", [drop, neg_inf, topk])

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import datetime as dt
 import json
+import math
 import os
 import platform
 import secrets
@@ -24,13 +26,54 @@ EPILOG = """examples:
 """
 
 
-def _floats(text: str) -> list[float]:
+# Argument types: every number is checked here (argparse exits 2 with the message), so a bad value never
+# reaches the run (a zero --delta-max-chars would loop forever, an inf concurrency would crash).
+def _number(text: str) -> float:
     try:
-        vals = [float(v) for v in text.split(",") if v.strip()]
+        value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a comma-separated list of numbers, got {text!r}") from None
-    if not vals or any(v <= 0 for v in vals):
-        raise argparse.ArgumentTypeError("levels must be positive")
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"expected a finite number, got {text}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    value = _number(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be greater than 0, got {text}")
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    value = _number(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {text}")
+    return value
+
+
+def _integer(text: str, lo: int) -> int:
+    try:
+        value = int(text, 10)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < lo:
+        raise argparse.ArgumentTypeError(f"must be {lo} or more, got {text}")
+    return value
+
+
+def positive_int(text: str) -> int:
+    return _integer(text, 1)
+
+
+def non_negative_int(text: str) -> int:
+    return _integer(text, 0)
+
+
+def _floats(text: str) -> list[float]:
+    vals = [positive_float(v.strip()) for v in text.split(",") if v.strip()]
+    if not vals:
+        raise argparse.ArgumentTypeError(f"expected a comma-separated list of numbers, got {text!r}")
     return vals
 
 
@@ -67,49 +110,59 @@ def build_parser() -> argparse.ArgumentParser:
                    help="header given a fresh value per stream, for header-hash affinity behind an ingress "
                         "(default %(default)s; '' sends none)")
     t.add_argument("--insecure", action="store_true", help="do not verify TLS certificates (HTTP only)")
-    t.add_argument("--wait-ready", type=float, default=30.0, help="wait this long for /ready at start (s)")
+    t.add_argument("--wait-ready", type=non_negative_float, default=30.0,
+                   help="wait this long for /ready at start (s; default %(default)s)")
 
     load = p.add_argument_group("load")
     load.add_argument("--transport", type=_transports, default=["http"], help="http, ws, http,ws or both")
     g = load.add_mutually_exclusive_group()
     g.add_argument("--concurrency", type=_ints, help="concurrent streams per level, e.g. 1,4,16 (default 1)")
     g.add_argument("--rate", type=_floats, help="arrival rates in requests/s per level, e.g. 0.5,1,2")
-    load.add_argument("--arrival", choices=["poisson", "fixed"], default="poisson", help="with --rate")
-    load.add_argument("--requests", type=int, help="requests per level (default: max(8, 2 x concurrency); 20 at a "
+    load.add_argument("--arrival", choices=["poisson", "fixed"], default="poisson",
+                      help="with --rate (default %(default)s)")
+    load.add_argument("--requests", type=positive_int, help="requests per level (default: max(8, 2 x concurrency); 20 at a "
                                                    "rate) unless --duration is given")
-    load.add_argument("--duration", type=float, help="seconds per level during which new requests start")
-    load.add_argument("--warmup", type=int, default=1, help="unmeasured requests per transport first (default 1)")
-    load.add_argument("--pause", type=float, default=1.0, help="seconds between levels (default 1)")
+    load.add_argument("--duration", type=positive_float, help="seconds per level during which new requests start")
+    load.add_argument("--warmup", type=non_negative_int, default=1,
+                      help="unmeasured requests per transport first (default %(default)s)")
+    load.add_argument("--pause", type=non_negative_float, default=1.0,
+                      help="seconds between levels (default %(default)s)")
     load.add_argument("--no-backoff", action="store_true", help="after a 429 start the next request at once "
                                                                 "(default: wait Retry-After, at most 10 s)")
 
     b = p.add_argument_group("bounds")
-    b.add_argument("--request-timeout", type=float, default=120.0, help="per stream, seconds (default 120)")
-    b.add_argument("--connect-timeout", type=float, default=10.0, help="seconds (default 10)")
-    b.add_argument("--deadline", type=float, default=1800.0, help="whole run, seconds (default 1800)")
-    b.add_argument("--settle-timeout", type=float, default=30.0,
-                   help="before each level wait at most this for /ready to show no active stream (default 30)")
+    b.add_argument("--request-timeout", type=positive_float, default=120.0,
+                   help="per stream, seconds (default %(default)s)")
+    b.add_argument("--connect-timeout", type=positive_float, default=10.0, help="seconds (default %(default)s)")
+    b.add_argument("--deadline", type=positive_float, default=1800.0,
+                   help="whole run, seconds (default %(default)s)")
+    b.add_argument("--settle-timeout", type=non_negative_float, default=30.0,
+                   help="before each level wait at most this for /ready to show no active stream "
+                        "(default %(default)s)")
 
     r = p.add_argument_group("requests")
     r.add_argument("--texts", help="file with one text per line (default: a built-in varied list)")
-    r.add_argument("--model", default="tts-1")
+    r.add_argument("--model", default="tts-1", help="model field of every request (default %(default)s)")
     r.add_argument("--voice", help="voice name or id (default: the server's default)")
-    r.add_argument("--seed", type=_seed, default=1, help="request i of a level uses seed+i ('none': unseeded)")
+    r.add_argument("--seed", type=_seed, default=1, help="request i of a level uses seed+i ('none': unseeded; default %(default)s)")
     r.add_argument("--greedy", action="store_true", help="greedy decoding")
-    r.add_argument("--max-frames", type=int, help="cap each response at N frames of 80 ms")
+    r.add_argument("--max-frames", type=positive_int, help="cap each response at N frames of 80 ms")
     r.add_argument("--extra-body", type=json.loads, default={}, help="JSON merged into each HTTP request body")
-    r.add_argument("--llm-tokens-per-s", type=float, default=30.0,
-                   help="WS: text deltas per second, like an LLM writing (0: the whole text at once; default 30)")
-    r.add_argument("--delta-max-chars", type=int, default=8, help="WS: longest delta; longer words are split")
-    r.add_argument("--playback-prebuffer-ms", type=float, default=0.0,
-                   help="simulated player starts this long after the first chunk (default 0)")
+    r.add_argument("--llm-tokens-per-s", type=non_negative_float, default=30.0,
+                   help="WS: text deltas per second, like an LLM writing (0: the whole text at once; "
+                        "default %(default)s)")
+    r.add_argument("--delta-max-chars", type=positive_int, default=8,
+                   help="WS: longest delta; longer words are split (default %(default)s)")
+    r.add_argument("--playback-prebuffer-ms", type=non_negative_float, default=0.0,
+                   help="simulated player starts this long after the first chunk (default %(default)s)")
 
     o = p.add_argument_group("output")
     o.add_argument("--out", help="directory for report.json, table.txt and the plots")
     o.add_argument("--no-plots", action="store_true")
-    o.add_argument("--trace-streams", type=int, default=1,
-                   help="keep every chunk's arrival time for the first N streams of each level (default 1)")
-    o.add_argument("--server-pid", type=int, help="PID of a server on this machine: its CPU use per level goes in "
+    o.add_argument("--trace-streams", type=non_negative_int, default=1,
+                   help="keep every chunk's arrival time for the first N streams of each level "
+                        "(default %(default)s)")
+    o.add_argument("--server-pid", type=positive_int, help="PID of a server on this machine: its CPU use per level goes in "
                                                  "the report (host_cpu), beside the machine's and the generator's")
     o.add_argument("--quiet", action="store_true", help="no progress lines")
     return p
@@ -124,7 +177,7 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         headers[name.strip()] = value.strip()
     opts = RequestOptions(base_url=args.url, api_key=args.api_key or None, headers=headers,
                           session_header=args.session_header or None, run_id="lt" + secrets.token_hex(3),
-                          model=args.model, voice=args.voice, greedy=True if args.greedy else None,
+                          model=args.model, voice=args.voice or None, greedy=True if args.greedy else None,
                           max_frames=args.max_frames, extra_body=args.extra_body,
                           llm_tokens_per_s=args.llm_tokens_per_s, delta_max_chars=args.delta_max_chars,
                           prebuffer_s=args.playback_prebuffer_ms / 1000, connect_timeout=args.connect_timeout,
@@ -138,17 +191,25 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
                      verify_tls=not args.insecure, wait_ready=args.wait_ready, server_pid=args.server_pid)
 
 
+# report keys of the fields whose key differs from the field name (the unit is in the key)
+_REPORT_KEYS = {"base_url": "url", "duration": "duration_s", "request_timeout": "request_timeout_s",
+                "deadline": "deadline_s"}
+
+
 def _public_config(cfg: RunConfig) -> dict:
-    o = cfg.opts
-    return {"url": o.base_url, "api_key": "set" if o.api_key else None, "headers": sorted(o.headers),
-            "session_header": o.session_header, "transports": cfg.transports, "mode": cfg.mode, "levels": cfg.levels,
-            "requests_per_level": {f"{lv:g}": cfg.requests_for(lv) for lv in cfg.levels}, "duration_s": cfg.duration,
-            "arrival": cfg.arrival if cfg.mode == "rate" else None, "request_timeout_s": cfg.request_timeout,
-            "deadline_s": cfg.deadline, "model": o.model, "voice": o.voice, "seed": cfg.seed, "greedy": o.greedy,
-            "max_frames": o.max_frames, "extra_body": o.extra_body, "llm_tokens_per_s": o.llm_tokens_per_s,
-            "delta_max_chars": o.delta_max_chars, "playback_prebuffer_ms": 1000 * o.prebuffer_s,
-            "texts": len(cfg.texts), "warmup": cfg.warmup, "backoff_429": cfg.backoff_429,
-            "server_pid": cfg.server_pid}
+    """Every field of the run's configuration (RequestOptions first), without secrets: whether an API key
+    was set, header names only, the number of texts; the run id is left out."""
+    fields = dataclasses.asdict(cfg)
+    fields = {**fields.pop("opts"), **fields}
+    del fields["run_id"]
+    fields["api_key"] = "set" if fields["api_key"] else None
+    fields["headers"] = sorted(fields["headers"])
+    fields["texts"] = len(fields["texts"])
+    fields["playback_prebuffer_ms"] = 1000 * fields.pop("prebuffer_s")
+    fields["requests_per_level"] = {f"{lv:g}": cfg.requests_for(lv) for lv in cfg.levels}
+    if cfg.mode != "rate":
+        fields["arrival"] = None
+    return {_REPORT_KEYS.get(k, k): v for k, v in fields.items()}
 
 
 def _f(v, nd=0) -> str:

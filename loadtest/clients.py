@@ -12,22 +12,11 @@ import time
 from dataclasses import dataclass, field
 
 import httpx
+from websockets.asyncio.client import connect as ws_connect
+from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus
 
 from .stats import StreamRecord
 from .texts import split_deltas
-
-try:                                                 # websockets >= 13
-    from websockets.asyncio.client import connect as ws_connect
-    _WS_HEADERS_KW = "additional_headers"
-except ImportError:                                  # websockets 12: the legacy client
-    from websockets import connect as ws_connect     # type: ignore[no-redef]
-    _WS_HEADERS_KW = "extra_headers"
-from websockets.exceptions import ConnectionClosed, InvalidHandshake
-
-try:
-    from websockets.exceptions import InvalidStatus
-except ImportError:                                  # pragma: no cover - websockets 12
-    InvalidStatus = None  # type: ignore[assignment,misc]
 
 SPEECH_PATH = "/v1/audio/speech"
 WS_PATH = "/v1/audio/speech/stream"
@@ -54,13 +43,19 @@ class RequestOptions:
     connect_timeout: float = 10.0
     trace_streams: int = 1                          # chunk arrival traces for streams with index below this
 
-    def request_headers(self, rec: StreamRecord) -> dict[str, str]:
+    def request_headers(self, rec: StreamRecord | None = None) -> dict[str, str]:
+        """The extra headers and the key; with a stream's record also its session header (probes get none)."""
         h = dict(self.headers)
         if self.api_key:
             h["Authorization"] = f"Bearer {self.api_key}"
-        if self.session_header:
+        if self.session_header and rec is not None:
             h[self.session_header] = f"{self.run_id}-{rec.transport}-{rec.level:g}-{rec.index}"
         return h
+
+    def generation_params(self, seed: int | None) -> dict:
+        """seed, greedy, max_frames and voice where set: in the HTTP body and the WS session.update alike."""
+        return {k: v for k, v in (("seed", seed), ("greedy", self.greedy), ("max_frames", self.max_frames),
+                                  ("voice", self.voice)) if v is not None}
 
     @property
     def ws_url(self) -> str:
@@ -88,7 +83,8 @@ def _retry_after(value: str | None) -> float | None:
         return None
 
 
-def _fail(rec: StreamRecord, kind: str, detail: str | None = None) -> None:
+def fail_record(rec: StreamRecord, kind: str, detail: str | None = None) -> None:
+    """Mark a stream failed with ``kind`` (and a short detail), unless it already failed or was rejected."""
     if rec.status in ("pending", "ok"):
         rec.status, rec.error_kind = "error", kind
         rec.error_detail = (detail or "")[:300] or None
@@ -97,11 +93,7 @@ def _fail(rec: StreamRecord, kind: str, detail: str | None = None) -> None:
 # ---------------------------------------------------------------------------------------------- HTTP
 async def http_stream(client: httpx.AsyncClient, opts: RequestOptions, rec: StreamRecord, text: str) -> None:
     body = {"model": opts.model, "input": text, "response_format": "pcm", "stream_format": "audio",
-            **({"voice": opts.voice} if opts.voice else {}),
-            **({"seed": rec.seed} if rec.seed is not None else {}),
-            **({"greedy": opts.greedy} if opts.greedy is not None else {}),
-            **({"max_frames": opts.max_frames} if opts.max_frames is not None else {}),
-            **opts.extra_body}
+            **opts.generation_params(rec.seed), **opts.extra_body}
     rec.begin_audio(opts.prebuffer_s, rec.index < opts.trace_streams)
     sent = time.perf_counter()
     try:
@@ -116,29 +108,29 @@ async def http_stream(client: httpx.AsyncClient, opts: RequestOptions, rec: Stre
                     rec.status, rec.error_kind = "rejected", f"http_429:{code}"
                     rec.retry_after_s = _retry_after(resp.headers.get("retry-after"))
                 else:
-                    _fail(rec, f"http_{resp.status_code}:{code}", raw[:300].decode("utf-8", "replace"))
+                    fail_record(rec, f"http_{resp.status_code}:{code}", raw[:300].decode("utf-8", "replace"))
                 return
             async for chunk in resp.aiter_raw():
                 rec.on_audio(time.perf_counter(), sent, len(chunk))
         rec.total_s = time.perf_counter() - sent
         if rec.audio_bytes == 0:
-            _fail(rec, "no_audio", "200 with an empty body")
+            fail_record(rec, "no_audio", "200 with an empty body")
         elif rec.audio_bytes % 2:
-            _fail(rec, "odd_byte_count", f"{rec.audio_bytes} bytes is not whole s16le samples")
+            fail_record(rec, "odd_byte_count", f"{rec.audio_bytes} bytes is not whole s16le samples")
         else:
             rec.status = "ok"
     except httpx.ConnectTimeout as e:
-        _fail(rec, "connect_timeout", repr(e))
+        fail_record(rec, "connect_timeout", repr(e))
     except httpx.TimeoutException as e:
-        _fail(rec, "read_timeout", repr(e))
+        fail_record(rec, "read_timeout", repr(e))
     except httpx.ConnectError as e:
-        _fail(rec, "connect_error", repr(e))
+        fail_record(rec, "connect_error", repr(e))
     except httpx.RemoteProtocolError as e:             # e.g. the chunked body was cut off
-        _fail(rec, "stream_cut", repr(e))
+        fail_record(rec, "stream_cut", repr(e))
     except httpx.HTTPError as e:
-        _fail(rec, f"http_error:{type(e).__name__}", repr(e))
+        fail_record(rec, f"http_error:{type(e).__name__}", repr(e))
     except OSError as e:
-        _fail(rec, f"os_error:{type(e).__name__}", repr(e))
+        fail_record(rec, f"os_error:{type(e).__name__}", repr(e))
     finally:
         rec.finish_audio(sent)
 
@@ -149,7 +141,7 @@ async def ws_stream(opts: RequestOptions, rec: StreamRecord, text: str) -> None:
     t0 = time.perf_counter()
     sent = None
     rec.begin_audio(opts.prebuffer_s, rec.index < opts.trace_streams)
-    kwargs = {_WS_HEADERS_KW: opts.request_headers(rec), "open_timeout": opts.connect_timeout,
+    kwargs = {"additional_headers": opts.request_headers(rec), "open_timeout": opts.connect_timeout,
               "close_timeout": 2, "max_size": None, "compression": None}
     try:
         async with ws_connect(opts.ws_url, **kwargs) as ws:
@@ -158,8 +150,7 @@ async def ws_stream(opts: RequestOptions, rec: StreamRecord, text: str) -> None:
                 _ws_error(rec, first)
                 return
             rec.connect_s = time.perf_counter() - t0
-            update = {k: v for k, v in (("seed", rec.seed), ("greedy", opts.greedy), ("max_frames", opts.max_frames),
-                                        ("voice", opts.voice)) if v is not None}
+            update = opts.generation_params(rec.seed)
             if update:
                 await ws.send(json.dumps({"type": "session.update", **update}))
                 reply = await _recv_json(ws)
@@ -184,27 +175,21 @@ async def ws_stream(opts: RequestOptions, rec: StreamRecord, text: str) -> None:
     except ConnectionClosed as e:
         rcvd = getattr(e, "rcvd", None)
         code = rcvd.code if rcvd is not None else "none"
-        _fail(rec, f"ws_closed:{code}", str(e))
+        fail_record(rec, f"ws_closed:{code}", str(e))
     except asyncio.TimeoutError as e:                   # open_timeout
-        _fail(rec, "connect_timeout", repr(e))
+        fail_record(rec, "connect_timeout", repr(e))
     except InvalidHandshake as e:
-        status = _handshake_status(e)
+        status = e.response.status_code if isinstance(e, InvalidStatus) else None
         if status == 429:
             rec.status, rec.error_kind = "rejected", "ws_handshake_429"
         else:
-            _fail(rec, f"ws_handshake_{status or 'failed'}", str(e))
+            fail_record(rec, f"ws_handshake_{status or 'failed'}", str(e))
     except OSError as e:
-        _fail(rec, "connect_error", repr(e))
+        fail_record(rec, "connect_error", repr(e))
     finally:
         if rec.total_s is None and sent is not None and rec.status != "pending":
             rec.total_s = time.perf_counter() - sent
         rec.finish_audio(sent if sent is not None else t0)
-
-
-def _handshake_status(e: Exception) -> int | None:
-    if InvalidStatus is not None and isinstance(e, InvalidStatus):
-        return e.response.status_code
-    return getattr(e, "status_code", None)                  # websockets 12: InvalidStatusCode
 
 
 async def _recv_json(ws) -> dict:
@@ -234,7 +219,7 @@ async def _send_text(ws, deltas: list[str], tps: float, sent: float, done_at: li
 def _ws_error(rec: StreamRecord, msg: dict) -> bool:
     """Record an ``error`` message (or an unexpected one); True when the stream is over."""
     if msg.get("type") != "error":
-        _fail(rec, f"ws_unexpected:{msg.get('type')}", json.dumps(msg)[:300])
+        fail_record(rec, f"ws_unexpected:{msg.get('type')}", json.dumps(msg)[:300])
         return True
     err = msg.get("error") or {}
     code = err.get("code") or "-"
@@ -243,7 +228,7 @@ def _ws_error(rec: StreamRecord, msg: dict) -> bool:
             rec.status, rec.error_kind = "rejected", f"ws_429:{code}"
             rec.retry_after_s = DEFAULT_RETRY_AFTER_S
         return True
-    _fail(rec, f"ws_error:{code}", err.get("message"))
+    fail_record(rec, f"ws_error:{code}", err.get("message"))
     return bool(msg.get("fatal"))
 
 
@@ -259,7 +244,7 @@ async def _receive_turn(ws, rec: StreamRecord, sent: float, sender: asyncio.Task
         try:
             data = json.loads(msg)
         except ValueError:
-            _fail(rec, "ws_invalid_json", msg[:300])
+            fail_record(rec, "ws_invalid_json", msg[:300])
             continue
         kind = data.get("type")
         if kind == "response.done":
@@ -268,9 +253,9 @@ async def _receive_turn(ws, rec: StreamRecord, sent: float, sender: asyncio.Task
             rec.server_timing = data.get("timing")
             if rec.status == "pending":
                 if rec.audio_bytes == 0:
-                    _fail(rec, "no_audio", json.dumps(data)[:300])
+                    fail_record(rec, "no_audio", json.dumps(data)[:300])
                 elif rec.finish_reason == "error":
-                    _fail(rec, "finish_error", json.dumps(data)[:300])
+                    fail_record(rec, "finish_error", json.dumps(data)[:300])
                 else:
                     rec.status = "ok"
             return

@@ -8,18 +8,19 @@ COLORS = {"http": "tab:blue", "ws": "tab:orange"}
 LABELS = {"http": "HTTP POST /v1/audio/speech (pcm)", "ws": "WebSocket (LLM-paced text)"}
 
 
+def _level_ticks(ax, mode: str, positions, levels: list[float]) -> None:
+    """The x axis of levels: its label, and a tick at each position named by its level."""
+    ax.set_xlabel("concurrent streams" if mode == "concurrency" else "offered load (requests/s)")
+    ax.set_xticks(positions)
+    ax.set_xticklabels([f"{v:g}" for v in levels])
+
+
 def _x_axis(ax, mode: str, levels: list[float]) -> None:
-    if mode == "concurrency":
-        ax.set_xlabel("concurrent streams")
-        if len(levels) > 1 and min(levels) > 0 and max(levels) / min(levels) >= 4:
-            ax.set_xscale("log", base=2)
-        ax.set_xticks(levels)
-        ax.set_xticklabels([f"{v:g}" for v in levels])
-        ax.minorticks_off()
-    else:
-        ax.set_xlabel("offered load (requests/s)")
-        ax.set_xticks(levels)
-        ax.set_xticklabels([f"{v:g}" for v in levels])
+    """Levels as x values: log2 scale for concurrency levels spanning 4x or more."""
+    if mode == "concurrency" and len(levels) > 1 and min(levels) > 0 and max(levels) / min(levels) >= 4:
+        ax.set_xscale("log", base=2)
+    _level_ticks(ax, mode, levels, levels)
+    ax.minorticks_off()
 
 
 def _series(levels: list[dict], transport: str, key: str, stat: str):
@@ -57,15 +58,13 @@ def make_plots(report: dict, out: Path) -> list[str]:
             if vals:
                 data.append(vals)
                 pos.append(lv)
+        idx = list(range(1, len(data) + 1))
         if data:
-            idx = list(range(1, len(data) + 1))
             ax.boxplot(data, positions=idx, widths=0.5, whis=(1, 99), showfliers=False)
             for i, vals in zip(idx, data):
                 jitter = [i + 0.18 * ((k * 0.618) % 1 - 0.5) for k in range(len(vals))]
                 ax.scatter(jitter, vals, s=10, alpha=0.5, color=COLORS[transport], zorder=3)
-            ax.set_xticks(idx)
-            ax.set_xticklabels([f"{v:g}" for v in pos])
-        ax.set_xlabel("concurrent streams" if mode == "concurrency" else "offered load (requests/s)")
+        _level_ticks(ax, mode, idx, pos)
         ax.set_title(LABELS[transport], fontsize=10)
         ax.grid(axis="y", alpha=0.3)
     for ax in axes[0]:
@@ -130,9 +129,7 @@ def make_plots(report: dict, out: Path) -> list[str]:
     a1.grid(alpha=0.3)
     a1.legend(fontsize=8)
     a1.set_ylim(0, 1.15 * max([1.0] + [s["throughput_audio_s_per_s"] or 0 for s in levels]))
-    a2.set_xticks(range(len(all_levels)))
-    a2.set_xticklabels([f"{v:g}" for v in all_levels])
-    a2.set_xlabel("concurrent streams" if mode == "concurrency" else "offered load (requests/s)")
+    _level_ticks(a2, mode, range(len(all_levels)), all_levels)
     a2.set_ylabel("streams (count)")
     a2.set_ylim(bottom=0, top=max([1] + [s[k] for s in levels for k in ("rejected_429", "errors",
                                                                           "streams_with_underruns")]) * 1.15)

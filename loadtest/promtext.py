@@ -32,7 +32,7 @@ def delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]
     out = {}
     for key, value in after.items():
         name = key.split("{", 1)[0]
-        if not name.endswith(("_total", "_sum", "_count")) or name.endswith("_created"):
+        if not name.endswith(("_total", "_sum", "_count")):
             continue
         d = value - before.get(key, 0.0)
         if abs(d) > 1e-12:

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import httpx
 
 from . import promtext
-from .clients import DEFAULT_RETRY_AFTER_S, RequestOptions, http_stream, ws_stream
+from .clients import DEFAULT_RETRY_AFTER_S, RequestOptions, fail_record, http_stream, ws_stream
 from .hostcpu import CpuMeter
 from .stats import StreamRecord, summarize
 
@@ -61,16 +61,10 @@ class Runner:
         self.client: httpx.AsyncClient | None = None
 
     # ------------------------------------------------------------------ server probes (never fatal)
-    def _probe_headers(self) -> dict:
-        h = dict(self.cfg.opts.headers)
-        if self.cfg.opts.api_key:
-            h["Authorization"] = f"Bearer {self.cfg.opts.api_key}"
-        return h
-
     async def ready(self) -> dict:
         try:
-            r = await self.client.get(self.cfg.opts.base_url.rstrip("/") + "/ready", headers=self._probe_headers(),
-                                      timeout=5)
+            r = await self.client.get(self.cfg.opts.base_url.rstrip("/") + "/ready",
+                                      headers=self.cfg.opts.request_headers(), timeout=5)
             try:
                 body = r.json()
             except ValueError:
@@ -81,8 +75,8 @@ class Runner:
 
     async def metrics(self) -> dict:
         try:
-            r = await self.client.get(self.cfg.opts.base_url.rstrip("/") + "/metrics", headers=self._probe_headers(),
-                                      timeout=10)
+            r = await self.client.get(self.cfg.opts.base_url.rstrip("/") + "/metrics",
+                                      headers=self.cfg.opts.request_headers(), timeout=10)
             if r.status_code != 200:
                 return {"http_status": r.status_code, "samples": {}}
             return {"http_status": 200, "samples": promtext.parse(r.text)}
@@ -129,19 +123,15 @@ class Runner:
                     else ws_stream(cfg.opts, rec, text))
             await asyncio.wait_for(coro, cfg.request_timeout)
         except asyncio.TimeoutError:
-            if rec.status in ("pending", "ok"):
-                rec.status, rec.error_kind = "error", "request_timeout"
-                rec.error_detail = f"no end after {cfg.request_timeout:g} s"
+            fail_record(rec, "request_timeout", f"no end after {cfg.request_timeout:g} s")
         except asyncio.CancelledError:
-            if rec.status in ("pending", "ok"):
-                rec.status, rec.error_kind = "error", "deadline"
+            fail_record(rec, "deadline")
             rec.total_s = rec.total_s if rec.total_s is not None else time.perf_counter() - started
             raise
         except Exception as e:  # noqa: BLE001 - a client bug is one failed stream, not a crashed run
-            if rec.status in ("pending", "ok"):
-                rec.status, rec.error_kind, rec.error_detail = "error", f"client:{type(e).__name__}", repr(e)[:300]
+            fail_record(rec, f"client:{type(e).__name__}", repr(e))
         if rec.status == "pending":
-            rec.status, rec.error_kind = "error", "incomplete"
+            fail_record(rec, "incomplete")
         if rec.total_s is None:                         # timed out or failed before any answer
             rec.total_s = time.perf_counter() - started
         return rec
@@ -174,8 +164,8 @@ class Runner:
             delay = t_next - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)
-            while len(tasks) >= self.cfg.max_in_flight:
-                _, tasks = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+            while len(tasks) >= self.cfg.max_in_flight:      # done tasks leave the set by their callback
+                await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
             task = asyncio.create_task(self.one(transport, level, i, records, t0, offset))
             tasks.add(task)
             task.add_done_callback(tasks.discard)

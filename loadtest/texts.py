@@ -40,6 +40,8 @@ _DELTA = re.compile(r"\s*[\w'’\-]+|\s*[^\w\s]+|\s+", re.UNICODE)
 def split_deltas(text: str, max_chars: int = 8) -> list[str]:
     """Split ``text`` into word-ish deltas (leading space kept, punctuation separate, long words cut into
     ``max_chars`` pieces like sub-word tokens). Joining the deltas gives ``text`` back exactly."""
+    if max_chars < 1:
+        raise ValueError(f"max_chars must be at least 1, got {max_chars}")
     out: list[str] = []
     for m in _DELTA.finditer(text):
         piece = m.group(0)

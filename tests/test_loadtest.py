@@ -3,22 +3,18 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
+from loadtest import run as loadtest_run
+from loadtest.cli import _public_config, build_parser, config_from_args, redact
+from loadtest.clients import RequestOptions, fail_record
+from loadtest.runner import RunConfig, Runner
+from loadtest.stats import Playback, StreamRecord
+from loadtest.texts import BUILTIN_TEXTS, split_deltas
 from service_helpers import Server
-
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:                       # loadtest/ is a top-level folder, not an installed package
-    sys.path.insert(0, str(ROOT))
-
-from loadtest import run as loadtest_run             # noqa: E402
-from loadtest.cli import redact                      # noqa: E402
-from loadtest.stats import Playback                  # noqa: E402
-from loadtest.texts import BUILTIN_TEXTS, split_deltas  # noqa: E402
 
 # short responses keep the test quick: 20 frames = 1.6 s of audio per stream
 COMMON = ["--max-frames", "20", "--warmup", "0", "--pause", "0", "--quiet", "--request-timeout", "30",
@@ -33,8 +29,9 @@ def servers(full_bundle_dir, tmp_path_factory):
     try:
         yield roomy.wait_ready(), tight.wait_ready()
     finally:
-        assert roomy.stop() == 0, roomy.log()[-3000:]
-        assert tight.stop() == 0, tight.log()[-3000:]
+        stopped = roomy.stop(), tight.stop()          # both, before either assert
+        assert stopped[0] == 0, roomy.log()[-3000:]
+        assert stopped[1] == 0, tight.log()[-3000:]
 
 
 def test_split_deltas_and_playback():
@@ -48,6 +45,97 @@ def test_split_deltas_and_playback():
     assert p.underruns == 1 and abs(p.stall_s - 0.16) < 1e-9
     assert redact(["--api-key", "sk-secret-1", "--header", "Authorization: Bearer x", "--header", "X-A: 1"]) == \
         ["--api-key", "***", "--header", "***", "--header", "X-A: 1"]
+
+
+@pytest.mark.parametrize("option, value", [
+    ("--delta-max-chars", "0"), ("--delta-max-chars", "-3"), ("--concurrency", "inf"), ("--concurrency", "2,0"),
+    ("--concurrency", "1.5"), ("--rate", "nan"), ("--rate", "1,-2"), ("--request-timeout", "-1"),
+    ("--request-timeout", "0"), ("--connect-timeout", "inf"), ("--deadline", "nan"), ("--duration", "0"),
+    ("--requests", "0"), ("--warmup", "-1"), ("--pause", "-1"), ("--settle-timeout", "inf"),
+    ("--wait-ready", "-1"), ("--max-frames", "0"), ("--llm-tokens-per-s", "-1"),
+    ("--llm-tokens-per-s", "nan"), ("--playback-prebuffer-ms", "-5"), ("--trace-streams", "-1"),
+    ("--server-pid", "0"), ("--requests", "2.5"),
+])
+def test_cli_refuses_bad_numbers(option, value, capsys):
+    """Every numeric option is checked when parsed (exit 2 with a message, no traceback, no endless loop)."""
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args([option, value])
+    assert e.value.code == 2
+    assert f"argument {option}" in capsys.readouterr().err
+
+
+def test_cli_numbers_accepted():
+    args = build_parser().parse_args(["--concurrency", "1,4.0,16", "--delta-max-chars", "1", "--warmup", "0",
+                                      "--pause", "0", "--llm-tokens-per-s", "0", "--trace-streams", "0"])
+    assert args.concurrency == [1.0, 4.0, 16.0] and args.delta_max_chars == 1 and args.warmup == 0
+    assert build_parser().parse_args(["--rate", "0.5,2"]).rate == [0.5, 2.0]
+
+
+def test_split_deltas_refuses_max_chars_below_one():
+    assert split_deltas("abc", 1) == ["a", "b", "c"]
+    for bad in (0, -1):                                 # used to loop forever
+        with pytest.raises(ValueError, match="max_chars"):
+            split_deltas("Hello there", bad)
+
+
+def test_public_config_keys_and_secrets():
+    """report.json's config: the keys the committed results use, and no secret or run id."""
+    args = build_parser().parse_args(["--api-key", "sk-secret-1", "--header", "Authorization: Bearer tok-2",
+                                      "--rate", "0.5,2", "--arrival", "fixed", "--playback-prebuffer-ms", "250",
+                                      "--request-timeout", "9", "--duration", "3"])
+    cfg = config_from_args(args)
+    pub = _public_config(cfg)
+    assert {"url", "api_key", "headers", "session_header", "transports", "mode", "levels", "requests_per_level",
+            "duration_s", "arrival", "request_timeout_s", "deadline_s", "model", "voice", "seed", "greedy",
+            "max_frames", "extra_body", "llm_tokens_per_s", "delta_max_chars", "playback_prebuffer_ms", "texts",
+            "warmup", "backoff_429", "server_pid"} <= set(pub)
+    text = json.dumps(pub)
+    assert "sk-secret-1" not in text and "tok-2" not in text and cfg.opts.run_id not in text
+    assert "run_id" not in pub and "opts" not in pub and "base_url" not in pub
+    assert pub["api_key"] == "set" and pub["headers"] == ["Authorization"] and pub["texts"] == len(BUILTIN_TEXTS)
+    assert pub["url"] == "http://127.0.0.1:8000" and pub["mode"] == "rate" and pub["arrival"] == "fixed"
+    assert pub["playback_prebuffer_ms"] == 250 and pub["request_timeout_s"] == 9 and pub["duration_s"] == 3
+    assert pub["requests_per_level"] == {"0.5": None, "2": None} and pub["levels"] == [0.5, 2.0]
+    assert _public_config(config_from_args(build_parser().parse_args([])))["arrival"] is None
+
+
+def test_request_options_headers_and_params():
+    opts = RequestOptions(base_url="http://x", api_key="k", headers={"X-A": "1"}, run_id="lt1", greedy=True,
+                          voice="v")
+    rec = StreamRecord(transport="ws", level=4.0, index=2, text_chars=3, seed=None)
+    assert opts.request_headers() == {"X-A": "1", "Authorization": "Bearer k"}      # probes: no session header
+    assert opts.request_headers(rec)["X-Session-Id"] == "lt1-ws-4-2"
+    assert opts.generation_params(None) == {"greedy": True, "voice": "v"}
+    assert opts.generation_params(0) == {"seed": 0, "greedy": True, "voice": "v"}
+
+
+def test_fail_record_keeps_the_first_outcome():
+    rec = StreamRecord(transport="http", level=1.0, index=0, text_chars=3, seed=None)
+    fail_record(rec, "read_timeout", "x" * 400)
+    assert (rec.status, rec.error_kind, len(rec.error_detail)) == ("error", "read_timeout", 300)
+    fail_record(rec, "deadline")
+    assert rec.error_kind == "read_timeout"
+    rejected = StreamRecord(transport="ws", level=1.0, index=1, text_chars=3, seed=None, status="rejected")
+    fail_record(rejected, "deadline")
+    assert rejected.status == "rejected"
+
+
+def test_rate_level_in_flight_cap(monkeypatch):
+    """Rate mode with max_in_flight 2: never more than 2 streams at once, and every stream runs."""
+    running, peak, seen = [0], [0], []
+
+    async def one(self, transport, level, index, records, t0, offset):
+        running[0] += 1
+        peak[0] = max(peak[0], running[0])
+        await asyncio.sleep(0.02)
+        running[0] -= 1
+        seen.append(index)
+
+    monkeypatch.setattr(Runner, "one", one)
+    cfg = RunConfig(opts=RequestOptions(base_url="http://x"), mode="rate", requests=9, arrival="fixed",
+                    max_in_flight=2)
+    asyncio.run(Runner(cfg, log=lambda *a: None)._rate("http", 1000.0, [], 0.0, 0))
+    assert sorted(seen) == list(range(9)) and peak[0] == 2
 
 
 def test_report_and_plots(servers, tmp_path):
@@ -70,7 +158,7 @@ def test_report_and_plots(servers, tmp_path):
     assert len(streams) == 4 and all(r["status"] == "ok" for r in streams)
     for r in streams:                                   # at most --max-frames 20 frames (the model may stop first)
         assert r["ttfa_s"] > 0 and 0 < r["audio_s"] <= 1.6 + 1e-6 and 1 <= r["chunks"] <= 20, r
-        assert r["stream_rtf"] > 0 and r["gen_rtf"] >= r["stream_rtf"], r
+        assert 0 <= r["stream_rtf"] <= r["gen_rtf"] and r["gen_rtf"] > 0, r     # one read: stream_rtf 0
     assert all(r["finish_reason"] and r["deltas"] >= 1 for r in streams if r["transport"] == "ws")
     assert report["server"]["ready_before"]["status"] == "ready"
     assert report["server"]["metrics_after"]["samples"]
