@@ -1,8 +1,11 @@
-"""A real ``mossrt serve`` process on loopback for the service tests."""
+"""Real ``mossrt`` processes on loopback for the service tests (``mossrt serve``; ``test_localai`` builds
+its gRPC backend on the same ``Process``), and what those tests share: the texts, the reference synthesis,
+PCM helpers."""
 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -11,6 +14,15 @@ import time
 from pathlib import Path
 
 import httpx
+import numpy as np
+import soundfile as sf
+
+from conftest import TEST_DEVICE
+
+TEXT = ("Welcome to the world of MOSS TTS Realtime. Experience how text transforms into smooth, "
+        "human-like speech in real time, one small step after another.")
+LONG_TEXT = " ".join(["The quick brown fox jumps over the lazy dog, and the model keeps on talking."] * 12)
+PCM_TOLERANCE = 4      # int16 steps: float32 round-off between batched and solo decodes, then rounding
 
 
 def free_port() -> int:
@@ -19,20 +31,101 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-class Server:
-    """``mossrt serve`` in a subprocess; ``stop()`` sends SIGTERM and returns the exit status."""
+def pcm16(data: bytes) -> np.ndarray:
+    return np.frombuffer(data, "<i2").astype(np.int32)
+
+
+def to_pcm16(wav: np.ndarray) -> np.ndarray:
+    """A float waveform as int16 steps, converted as the service converts."""
+    return np.rint(np.clip(wav, -1, 1) * 32767).astype(np.int32)
+
+
+def synth_reference(tmp_path: Path, bundle: Path, text: str = TEXT, *flags: str) -> np.ndarray:
+    """``mossrt synth --greedy`` of ``text`` as int16 steps (its float WAV converted as the service converts)."""
+    out = tmp_path / "synth.wav"
+    proc = subprocess.run([sys.executable, "-m", "mossrt.cli", "synth", "--bundle", str(bundle), "--text", text,
+                           "--out", str(out), "--greedy", "--device", TEST_DEVICE, *flags],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    return to_pcm16(sf.read(out, dtype="float32")[0])
+
+
+def stop_process(proc: subprocess.Popen, timeout: float) -> int:
+    """SIGTERM (a graceful shutdown), SIGKILL after ``timeout`` s; the exit status."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    return proc.returncode
+
+
+class Process:
+    """A ``mossrt`` command in a subprocess, its output in ``log_path``; ``stop()`` sends SIGTERM and returns
+    the exit status.
+
+    As a context manager (``with Server(...) as s:``) it waits until the process is ready *inside* the
+    managed block, so one that never gets ready is stopped too, always stops it on the way out, and asserts
+    a clean exit (status 0, the log's tail as the message). When the block itself failed, that failure is
+    what is raised; a non-zero exit status is added to it as a note."""
+
+    stop_timeout: float = 60
+
+    def __init__(self, args: list[str], log_path: Path, env: dict | None = None):
+        self.log_path = Path(log_path)
+        self._log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT,
+                                     env={**os.environ, **(env or {})})
+
+    def wait_ready(self, timeout: float = 120) -> "Process":
+        raise NotImplementedError
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def wait_log(self, pattern: str, timeout: float = 10) -> re.Match:
+        """The first match of ``pattern`` in the log, waiting up to ``timeout`` s for it to appear."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            m = re.search(pattern, self.log())
+            if m:
+                return m
+            time.sleep(0.05)
+        raise AssertionError(f"{pattern!r} not in the log:\n{self.log()[-3000:]}")
+
+    def stop(self, timeout: float | None = None) -> int:
+        self._log.close()
+        return stop_process(self.proc, self.stop_timeout if timeout is None else timeout)
+
+    def __enter__(self):
+        try:
+            return self.wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        status = self.stop()
+        if exc is None:
+            assert status == 0, f"exit status {status}:\n{self.log()[-3000:]}"
+        elif status != 0 and isinstance(exc, Exception):
+            exc.add_note(f"(and the process then exited with status {status}:\n{self.log()[-3000:]})")
+        return False
+
+
+class Server(Process):
+    """``mossrt serve`` on a free loopback port."""
 
     def __init__(self, bundle: Path | None, voices_dir: Path, log_path: Path, *flags: str, env: dict | None = None):
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
-        self.log_path = log_path
         args = [sys.executable, "-m", "mossrt.cli", "serve", "--port", str(self.port), "--voices-dir", str(voices_dir),
-                "--device", os.environ.get("MOSSRT_TEST_DEVICE", "cpu"), *flags]
+                "--device", TEST_DEVICE, *flags]
         if bundle is not None:
             args += ["--bundle", str(bundle)]
-        self._log = open(log_path, "w")
-        self.proc = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT,
-                                     env={**os.environ, **(env or {})})
+        super().__init__(args, log_path, env)
 
     def wait_ready(self, timeout: float = 120) -> "Server":
         deadline = time.monotonic() + timeout
@@ -46,22 +139,3 @@ class Server:
                 pass
             time.sleep(0.2)
         raise RuntimeError(f"server not ready after {timeout} s:\n{self.log()}")
-
-    def log(self) -> str:
-        return Path(self.log_path).read_text(errors="replace")
-
-    def stop(self, timeout: float = 60) -> int:
-        self._log.close()
-        return stop_process(self.proc, timeout)
-
-
-def stop_process(proc: subprocess.Popen, timeout: float) -> int:
-    """SIGTERM (a graceful shutdown), SIGKILL after ``timeout`` s; the exit status."""
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-    return proc.returncode

@@ -10,6 +10,17 @@ from conftest import golden, tolerance
 SHORT, LONG = "codec/codec_short.npz", "codec/codec_long.npz"
 
 
+def upstream_prefix(clip: str, frames: int) -> np.ndarray:
+    """Upstream's one-pass 16-quantizer decode of the clip's codes, cut to its first ``frames`` frames: the
+    decoder is causal, so that is also the golden for decoding just those frames (well inside the 10 s window)."""
+    return golden(clip)["dec16_audio"][: frames * 1920]
+
+
+def assert_matches(audio: np.ndarray, ref: np.ndarray) -> None:
+    assert audio.shape == ref.shape
+    assert np.abs(audio - ref).max() <= tolerance(ref)
+
+
 @pytest.mark.parametrize("clip", [SHORT, LONG])
 def test_encode_codes_identical(codec, clip):
     g = golden(clip)
@@ -96,6 +107,9 @@ def test_two_streams_in_one_batch_equal_separate_runs(codec):
     audio = np.concatenate(out, axis=1)
     np.testing.assert_allclose(audio[0], solo_a, atol=tolerance(solo_a), rtol=0)
     np.testing.assert_allclose(audio[1], solo_b, atol=tolerance(solo_b), rtol=0)
+    # and both against upstream: the long clip's first 29 frames, the short clip's whole decode
+    assert_matches(audio[0], upstream_prefix(LONG, 29))
+    assert_matches(audio[1], short["dec16_audio"])
 
 
 def test_streams_at_different_positions(codec):
@@ -110,6 +124,8 @@ def test_streams_at_different_positions(codec):
     solo = codec.decode(codes[:10], 16)
     np.testing.assert_allclose(np.concatenate([first[0], second[0]]), solo, atol=tolerance(solo), rtol=0)
     np.testing.assert_array_equal(second[1], first[1])
+    assert_matches(np.concatenate([first[0], second[0]]), upstream_prefix(LONG, 10))
+    assert_matches(first[1], upstream_prefix(LONG, 5))
 
 
 def test_reset_gives_identical_audio(codec):
@@ -145,3 +161,4 @@ def test_streams_advance_by_their_own_counts(codec):
     for s in range(3):
         solo = codec.decode(codes[: pos[s]], 16)
         np.testing.assert_allclose(np.concatenate(pieces[s]), solo, atol=tolerance(solo), rtol=0)
+        assert_matches(np.concatenate(pieces[s]), upstream_prefix(LONG, pos[s]))

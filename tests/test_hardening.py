@@ -274,9 +274,11 @@ def test_graph_producing_nan_is_an_error(capsys, tmp_path, full_bundle_dir):
 
 
 def _ckpt_copy(tmp_path, name):
+    from export.demo import TOKENIZER_JSON
+
     out = tmp_path / name
     shutil.copytree(TTS_CHECKPOINT, out)
-    shutil.copy(GOLDEN.parent.parent.parent / "export" / "data" / "tokenizer.json", out / "tokenizer.json")
+    shutil.copy(TOKENIZER_JSON, out / "tokenizer.json")
     return out
 
 

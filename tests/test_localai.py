@@ -9,7 +9,6 @@ import importlib.metadata
 import json
 import os
 import re
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -22,55 +21,37 @@ import soundfile as sf
 from app.localai import backend_pb2 as pb
 from app.localai import backend_pb2_grpc as pb_grpc
 from conftest import GOLDEN, TEST_DEVICE, golden
-from service_helpers import free_port, stop_process
+from service_helpers import LONG_TEXT, PCM_TOLERANCE, TEXT, Process, free_port, pcm16, synth_reference
 
-TEXT = ("Welcome to the world of MOSS TTS Realtime. Experience how text transforms into smooth, "
-        "human-like speech in real time, one small step after another.")
-LONG_TEXT = " ".join(["The quick brown fox jumps over the lazy dog, and the model keeps on talking."] * 12)
-PCM_TOLERANCE = 4          # int16 steps: float32 round-off between batched and solo decodes, then rounding
 RPC_TIMEOUT = 60
 # LocalAI's backend/backend.proto at the commit the spec names (ecosystem.md: git blob 7be3d5a4)
 UPSTREAM_PROTO_SHA256 = "6cd3c2259e329bbd45e6faf638abb745e4cdbfc7973a928ce9d42eb78eb7e24c"
 TOKEN = "test-token-0123456789"
 
 
-class Backend:
-    """``mossrt localai`` in a subprocess; ``stop()`` sends SIGTERM and returns the exit status."""
+class Backend(Process):
+    """``mossrt localai`` on a free loopback port, with a channel and stub to it; ready once it listens."""
+
+    stop_timeout = 30
 
     def __init__(self, log_path: Path, *flags: str, env: dict | None = None):
         self.port = free_port()
         self.addr = f"127.0.0.1:{self.port}"
-        self.log_path = log_path
-        self._log = open(log_path, "w")
-        self.proc = subprocess.Popen([sys.executable, "-m", "mossrt.cli", "localai", "--addr", self.addr,
-                                      "--device", TEST_DEVICE, *flags], stdout=self._log, stderr=subprocess.STDOUT,
-                                     env={**os.environ, **(env or {})})
+        super().__init__([sys.executable, "-m", "mossrt.cli", "localai", "--addr", self.addr,
+                          "--device", TEST_DEVICE, *flags], log_path, env)
         self.channel = grpc.insecure_channel(self.addr)
         self.stub = pb_grpc.BackendStub(self.channel)
 
-    def wait_listening(self, timeout: float = 60) -> "Backend":
+    def wait_ready(self, timeout: float = 60) -> "Backend":
         try:
             grpc.channel_ready_future(self.channel).result(timeout=timeout)
         except grpc.FutureTimeoutError:
             raise RuntimeError(f"backend not listening after {timeout} s (exit {self.proc.poll()}):\n{self.log()}")
         return self
 
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def wait_log(self, pattern: str, timeout: float = 10) -> re.Match:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            m = re.search(pattern, self.log())
-            if m:
-                return m
-            time.sleep(0.05)
-        raise AssertionError(f"{pattern!r} not in the backend log:\n{self.log()[-3000:]}")
-
-    def stop(self, timeout: float = 30) -> int:
+    def stop(self, timeout: float | None = None) -> int:
         self.channel.close()
-        self._log.close()
-        return stop_process(self.proc, timeout)
+        return super().stop(timeout)
 
 
 def rpc_error(call, *args, **kwargs) -> grpc.RpcError:
@@ -83,21 +64,6 @@ def rpc_error(call, *args, **kwargs) -> grpc.RpcError:
     return info.value
 
 
-def pcm16(data: bytes) -> np.ndarray:
-    return np.frombuffer(data, "<i2").astype(np.int32)
-
-
-def synth_reference(tmp_path: Path, bundle: Path, text: str, *flags: str) -> np.ndarray:
-    """``mossrt synth --greedy`` as int16 steps (its float WAV converted as the service converts)."""
-    out = tmp_path / "synth.wav"
-    proc = subprocess.run([sys.executable, "-m", "mossrt.cli", "synth", "--bundle", str(bundle), "--text", text,
-                           "--out", str(out), "--greedy", "--device", TEST_DEVICE, *flags],
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr
-    wav = sf.read(out, dtype="float32")[0]
-    return np.rint(np.clip(wav, -1, 1) * 32767).astype(np.int32)
-
-
 def stream(stub, text: str, **fields) -> tuple[list, bytes]:
     replies = list(stub.TTSStream(pb.TTSRequest(text=text, **fields), timeout=RPC_TIMEOUT))
     return replies, b"".join(r.audio for r in replies[1:])
@@ -106,13 +72,9 @@ def stream(stub, text: str, **fields) -> tuple[list, bytes]:
 @pytest.fixture(scope="module")
 def backend(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("localai")
-    b = Backend(tmp / "backend.log").wait_listening()
-    b.voices_dir = tmp / "voices"
-    try:
+    with Backend(tmp / "backend.log") as b:
+        b.voices_dir = tmp / "voices"
         yield b
-    finally:
-        status = b.stop()
-        assert status == 0, b.log()[-3000:]
 
 
 def load(backend, bundle: Path, *options: str) -> pb.Result:
@@ -329,9 +291,7 @@ def test_without_an_exporter_a_checkpoint_is_refused_clearly():
 def test_bundle_given_at_start_is_loaded_before_load_model(tmp_path, full_bundle_dir):
     """--bundle: Health answers at once, the model loads in the background (Status BUSY, then READY), and
     LocalAI's LoadModel naming the same bundle only checks it."""
-    b = Backend(tmp_path / "preload.log", "--bundle", str(full_bundle_dir), "--voices-dir", str(tmp_path / "v"))
-    try:
-        b.wait_listening()
+    with Backend(tmp_path / "preload.log", "--bundle", str(full_bundle_dir), "--voices-dir", str(tmp_path / "v")) as b:
         assert b.stub.Health(pb.HealthMessage(), timeout=RPC_TIMEOUT).message == b"OK"
         deadline = time.monotonic() + 60
         while (state := b.stub.Status(pb.HealthMessage(), timeout=RPC_TIMEOUT).state) != pb.StatusResponse.READY:
@@ -342,14 +302,11 @@ def test_bundle_given_at_start_is_loaded_before_load_model(tmp_path, full_bundle
         r = b.stub.LoadModel(pb.ModelOptions(Model=str(full_bundle_dir), Threads=2), timeout=RPC_TIMEOUT)
         assert r.success and "already loaded" in r.message, r.message
         assert b.log().count("loading ") == 1                             # not loaded a second time
-    finally:
-        assert b.stop() == 0, b.log()[-3000:]
 
 
 # ---------------------------------------------------------------------------------------------- auth
 def test_bearer_token_is_required_when_configured(tmp_path):
-    b = Backend(tmp_path / "auth.log", env={"LOCALAI_GRPC_AUTH_TOKEN": TOKEN}).wait_listening()
-    try:
+    with Backend(tmp_path / "auth.log", env={"LOCALAI_GRPC_AUTH_TOKEN": TOKEN}) as b:
         for metadata in ((), (("authorization", "Bearer wrong-token"),), (("authorization", TOKEN),)):
             err = rpc_error(b.stub.Health, pb.HealthMessage(), metadata=metadata)
             assert err.code() == grpc.StatusCode.UNAUTHENTICATED
@@ -359,8 +316,6 @@ def test_bearer_token_is_required_when_configured(tmp_path):
         assert b.stub.Health(pb.HealthMessage(), metadata=auth, timeout=RPC_TIMEOUT).message == b"OK"
         err = rpc_error(b.stub.TTSStream, pb.TTSRequest(text=TEXT), metadata=auth)
         assert err.code() == grpc.StatusCode.FAILED_PRECONDITION                   # past auth: no model yet
-    finally:
-        assert b.stop() == 0, b.log()[-3000:]
 
 
 # ---------------------------------------------------------------------------------------------- packaging

@@ -59,12 +59,8 @@ def chromium(request) -> Path:
 @pytest.fixture(scope="module")
 def server(chromium, full_bundle_dir, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("web")
-    s = Server(full_bundle_dir, tmp / "voices", tmp / "server.log", "--max-streams", "2")
-    try:
-        yield s.wait_ready()
-    finally:
-        status = s.stop()
-        assert status == 0, s.log()[-3000:]
+    with Server(full_bundle_dir, tmp / "voices", tmp / "server.log", "--max-streams", "2") as s:
+        yield s
 
 
 @pytest.fixture
