@@ -307,11 +307,6 @@ class StreamEncoder:
         else:
             self._backend = _AvBackend(_CODECS[fmt], self.sample_rate)
 
-    @property
-    def closed(self) -> bool:
-        """True once close() has been called."""
-        return self._closed
-
     def write(self, samples: np.ndarray) -> bytes:
         """Encode a chunk of mono float samples; return the encoded bytes ready now (may be b"").
 

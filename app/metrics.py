@@ -67,6 +67,7 @@ class StreamMeter:
         self.frames = 0
         self.underruns = 0
         self._behind = False
+        self._timing: dict | None = None
 
     def frame(self) -> None:
         self.frames += 1
@@ -93,11 +94,13 @@ class StreamMeter:
         return None if self.first_audio is None else 1000 * (self.first_audio - self.started)
 
     def finish(self) -> dict:
-        """Per-turn timing (also observed as the real-time factor)."""
-        total = time.monotonic() - self.started
-        rtf = total / self.audio_s if self.audio_s else None
-        if rtf is not None:
-            self.metrics.rtf.observe(rtf)
-        return {"first_audio_ms": None if self.first_audio_ms is None else round(self.first_audio_ms, 1),
-                "total_ms": round(1000 * total, 1), "realtime_factor": None if rtf is None else round(rtf, 3),
-                "underruns": self.underruns}
+        """Per-turn timing (observed once as the real-time factor; later calls return the same figures)."""
+        if self._timing is None:
+            total = time.monotonic() - self.started
+            rtf = total / self.audio_s if self.audio_s else None
+            if rtf is not None:
+                self.metrics.rtf.observe(rtf)
+            self._timing = {"first_audio_ms": None if self.first_audio_ms is None else round(self.first_audio_ms, 1),
+                            "total_ms": round(1000 * total, 1),
+                            "realtime_factor": None if rtf is None else round(rtf, 3), "underruns": self.underruns}
+        return self._timing

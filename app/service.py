@@ -16,11 +16,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from engine.bundle import Bundle
-from engine.errors import InputError, OverloadError
+from engine.errors import InputError
 from engine.limits import Limits
 from engine.prefix import prefix_key
 from engine.sampling import SamplingParams
-from engine.scheduler import Scheduler, StreamError, StreamHandle, TurnEnd
+from engine.scheduler import QueueSink, Scheduler, StreamError, StreamHandle, TurnEnd
 from engine.tts import TTSModel
 from engine.voices import VoiceRecord, VoiceRegistry, resolve_voice
 
@@ -116,11 +116,9 @@ class TTSService:
 
     def _warm_up(self) -> None:
         """One short synthesis: creates every session's kernels and buffers before the first request."""
-        h = self.scheduler.open_stream(params=self.model.default_sampling(greedy=True), seed=0)
+        h = self.start_utterance(self.model.tokenizer.encode("Hello."), None, self.model.default_sampling(greedy=True),
+                                 0, QueueSink(), max_frames=2, wait=60)
         try:
-            h.begin_turn(max_frames=2, wait=60)
-            h.push_text("Hello.")
-            h.end_text()
             while True:
                 event = h.get(timeout=600)
                 if isinstance(event, TurnEnd):
@@ -184,11 +182,23 @@ class TTSService:
 
     def open_stream(self, voice_codes, params: SamplingParams, seed: int | None, sink,
                     allow_special_tokens: bool = False) -> StreamHandle:
+        return self.scheduler.open_stream(voice_codes=voice_codes, params=params, seed=seed, sink=sink,
+                                          allow_special_tokens=allow_special_tokens)
+
+    def start_utterance(self, ids, voice_codes, params: SamplingParams, seed: int | None, sink,
+                        max_frames: int | None = None, allow_special_tokens: bool = False,
+                        wait: float | None = None) -> StreamHandle:
+        """A stream fed one whole utterance (its ids, then the end of its text). Blocks while it waits for a
+        slot (``wait``, default the queue timeout): call it off the event loop. Closed again if that fails."""
+        handle = self.open_stream(voice_codes, params, seed, sink, allow_special_tokens)
         try:
-            return self.scheduler.open_stream(voice_codes=voice_codes, params=params, seed=seed, sink=sink,
-                                              allow_special_tokens=allow_special_tokens)
-        except OverloadError as e:
-            raise ApiError(503, str(e), "server_error", None, "draining", {"Retry-After": "1"}) from None
+            handle.begin_turn(max_frames=max_frames, wait=wait)
+            handle.push_token_ids(ids)
+            handle.end_text()
+        except BaseException:
+            handle.close()
+            raise
+        return handle
 
     def register_voice(self, name: str, wav: np.ndarray, sample_rate: int) -> VoiceRecord:
         """Encode a reference once with the codec, store its codes, and compute the backbone KV of its

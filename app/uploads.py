@@ -11,7 +11,7 @@ import io
 import av
 import numpy as np
 
-from engine.errors import InputError
+from engine.errors import InputError, UnreadableAudioError
 from engine.limits import Limits
 from engine.voices import read_reference_audio
 
@@ -23,10 +23,8 @@ def decode_upload(data: bytes, limits: Limits, what: str = "audio_sample", user_
         raise InputError(f"{what} is empty")
     try:
         return read_reference_audio(data, limits, what, user_audio=user_audio)
-    except InputError as e:
-        if "not a readable audio file" not in str(e):
-            raise                      # readable, but too long / too short / wrong rate
-    return _decode_with_av(data, limits, what, user_audio)
+    except UnreadableAudioError:       # not for soundfile (mp3 in old libsndfile, aac, opus in mp4...): PyAV
+        return _decode_with_av(data, limits, what, user_audio)
 
 
 def _decode_with_av(data: bytes, limits: Limits, what: str, user_audio: bool) -> tuple[np.ndarray, int]:

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import soundfile as sf
 
-from .errors import InputError
+from .errors import InputError, UnreadableAudioError
 
 # extension -> soundfile format; only those libsndfile can write here are offered (see writable_formats)
 _EXTENSIONS = {"wav": "WAV", "flac": "FLAC", "ogg": "OGG", "oga": "OGG", "mp3": "MP3", "aiff": "AIFF",
@@ -91,7 +91,7 @@ def read_audio(path: str | Path) -> tuple[np.ndarray, int]:
     try:
         wav, sr = sf.read(str(path), dtype="float32", always_2d=False)
     except Exception as e:  # soundfile raises several types (LibsndfileError, RuntimeError, TypeError)
-        raise InputError(f"{path}: not a readable audio file ({str(e)[:200]})") from None
+        raise UnreadableAudioError(f"{path}: not a readable audio file ({str(e)[:200]})") from None
     if wav.size == 0:
         raise InputError(f"{path}: the audio file holds no samples")
     return wav, int(sr)

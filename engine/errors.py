@@ -13,6 +13,18 @@ class ContextLimitError(InputError):
     """A turn does not fit the stream's context (prompt rows + text rows + frames > max_context_rows)."""
 
 
+class TextTooLongError(InputError):
+    """A text has more characters than the limit allows."""
+
+
+class UnreadableAudioError(InputError):
+    """Bytes or a file that the audio reader cannot decode at all."""
+
+
+class VoiceExistsError(InputError):
+    """A voice of that name is already registered."""
+
+
 class ConcurrentUseError(InputError):
     """An object that is not thread-safe (a StreamingSession) was used by two threads at once."""
 

@@ -18,6 +18,7 @@ from .sampling import SamplingParams
 from .session import StreamingSession
 from .stream import FinishReason, playable
 from .turn import run_turn
+from .voices import resolve_voice
 
 
 @dataclass
@@ -38,19 +39,14 @@ def generate(model, text: str | None = None, text_ids=None, voice_codes: np.ndar
     limits = limits or Limits()
     if (text is None) == (text_ids is None):
         raise InputError("give text or text_ids")
-    if text is not None:
-        ids = model.check_text_ids(model.tokenizer.encode(limits.check_text_chars(text), allow_special_tokens))
-    else:
-        ids = model.check_text_ids(text_ids)
-    if ids.size == 0:
-        raise InputError("no text to synthesize")
     max_frames = limits.check_max_frames(max_frames)
+    voice_codes = resolve_voice(model, limits, codes=voice_codes)
+    ids = utterance_ids(model, limits, voice_codes, max_frames, text=text, text_ids=text_ids,
+                        allow_special_tokens=allow_special_tokens)
     frame_cap = max_frames or limits.default_max_frames(ids.size)
     session = StreamingSession(model, voice_codes=voice_codes, params=params, seed=seed, decode_audio=False,
                                limits=limits, allow_special_tokens=allow_special_tokens)
     try:
-        prompt_rows = len(model.prompt.turn_prompt(True, session.stream.voice_codes))
-        limits.check_turn_fits(int(ids.size), prompt_rows, 0, model.layout.text_lead, frame_cap)
         turn = run_turn(session, token_ids=ids, max_frames=frame_cap)
         raw = np.stack([f.codes for f in turn.frames]).astype(np.int64)
         stopped = bool(turn.frames[-1].eos)
@@ -58,6 +54,23 @@ def generate(model, text: str | None = None, text_ids=None, voice_codes: np.ndar
                           seed=session.seed, finish_reason=turn.stats.finish_reason, rows=list(session.context))
     finally:
         session.close()
+
+
+def utterance_ids(model, limits: Limits, voice_codes: np.ndarray | None, max_frames: int | None,
+                  text: str | None = None, text_ids=None, allow_special_tokens: bool = False) -> np.ndarray:
+    """The ids of a whole utterance (a first turn with this voice, no user context), refused before any
+    work when it cannot be spoken whole: empty, over the character limit (TextTooLongError), or more ids
+    than the context rows or the frame cap (``max_frames``, already checked, else the default) allow
+    (ContextLimitError). Give ``text`` or ``text_ids``."""
+    if text is not None:
+        ids = model.check_text_ids(model.tokenizer.encode(limits.check_text_chars(text), allow_special_tokens))
+    else:
+        ids = model.check_text_ids(text_ids)
+    if ids.size == 0:
+        raise InputError("no text to synthesize")
+    limits.check_turn_fits(int(ids.size), len(model.prompt.tts_prompt(voice_codes)), 0, model.layout.text_lead,
+                           max_frames or limits.default_max_frames(ids.size))
+    return ids
 
 
 def synthesize(model, generation: Generation) -> np.ndarray:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from .errors import ContextLimitError, InputError
+from .errors import ContextLimitError, InputError, TextTooLongError
 
 HARD_MAX_FRAMES = 3750              # 5 minutes of audio per turn
 MAX_CONTEXT_ROWS = 1 << 17          # no model context is longer (Qwen3: 32K; rows hold one id each)
@@ -53,7 +53,7 @@ class Limits:
         if not isinstance(text, str) or not text.strip():
             raise InputError("text is empty")
         if len(text) > self.max_text_chars:
-            raise InputError(f"text is {len(text)} characters; the limit is {self.max_text_chars}")
+            raise TextTooLongError(f"text is {len(text)} characters; the limit is {self.max_text_chars}")
         return text
 
     def check_audio_seconds(self, seconds: float, what: str = "voice reference", user_audio: bool = False) -> None:

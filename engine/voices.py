@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import soundfile as sf
 
-from .errors import InputError
+from .errors import InputError, UnreadableAudioError, VoiceExistsError
 from .limits import Limits
 
 Source = str | Path | bytes
@@ -32,7 +32,7 @@ def _info(source: Source, what: str) -> sf._SoundFileInfo:
         return sf.info(io.BytesIO(source) if isinstance(source, bytes) else str(source))
     except Exception as e:  # soundfile raises LibsndfileError, RuntimeError, TypeError...
         name = "the upload" if isinstance(source, bytes) else str(source)
-        raise InputError(f"{what}: {name} is not a readable audio file ({str(e)[:200]})") from None
+        raise UnreadableAudioError(f"{what}: {name} is not a readable audio file ({str(e)[:200]})") from None
 
 
 def read_reference_audio(source: Source, limits: Limits, what: str = "voice reference",
@@ -149,7 +149,7 @@ class VoiceRegistry:
         codes = np.ascontiguousarray(codes, dtype=np.int64)
         with self._lock:
             if any(r.name == name for r in self._records()):
-                raise InputError(f"a voice named {name!r} already exists; delete it first or pick another name")
+                raise VoiceExistsError(f"a voice named {name!r} already exists; delete it first or pick another name")
             vid = "voice_" + secrets.token_hex(8)
             rec = VoiceRecord(id=vid, name=name, created_at=int(_dt.datetime.now(_dt.timezone.utc).timestamp()),
                               frames=int(codes.shape[0]), bundle=self.bundle_identity)

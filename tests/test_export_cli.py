@@ -52,7 +52,6 @@ def test_sharded_bf16_tts_checkpoint(tmp_path):
     """A bf16 checkpoint split over shards (as published models often are) exports and runs; with
     bf16-rounded weights greedy decoding still follows the float32 goldens for its first frames."""
     import ml_dtypes
-    import numpy as np
     from safetensors.numpy import load_file, save_file
 
     from conftest import golden

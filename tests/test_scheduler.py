@@ -3,8 +3,6 @@ admission, cancel, stalls, joins and leaves, validation and thread safety."""
 
 from __future__ import annotations
 
-import queue
-import random
 import threading
 import time
 from dataclasses import dataclass, field
@@ -253,7 +251,7 @@ def test_handle_calls_validate(model):
 
 def test_slow_consumer_pauses_its_stream(model):
     """A consumer that does not read holds its own stream (bounded buffering) and not the others."""
-    from engine.scheduler import FrameEvent, Scheduler
+    from engine.scheduler import Scheduler
 
     ids = model.tokenizer.encode(TEXT_A)
     scheduler = Scheduler(model, slots=2, max_buffered_frames=4)
@@ -381,7 +379,7 @@ def test_a_stream_waiting_for_text_leaves_the_loop_asleep(model):
     """While a stream waits for more text with a few frames held back for their codec chunk, the loop
     sleeps until the listener's audio runs low (CPU time of the process stays near zero) instead of
     ticking in a busy loop; the held frames still arrive, early, once they are needed."""
-    from engine.scheduler import FrameEvent, Scheduler, StreamError, TurnEnd
+    from engine.scheduler import Scheduler, StreamError, TurnEnd
 
     scheduler = Scheduler(model, slots=1)
     try:

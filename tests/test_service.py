@@ -7,7 +7,6 @@ import asyncio
 import base64
 import io
 import json
-import math
 import random
 import subprocess
 import sys
@@ -103,6 +102,12 @@ def test_sse_events_concatenate_to_the_same_audio(server):
     usage = done["usage"]
     assert usage["input_tokens"] == 32 and usage["output_tokens"] == len(audio) // 3840 + 1   # + the EOS frame
     assert usage["total_tokens"] == usage["input_tokens"] + usage["output_tokens"]
+    assert done["metrics"]["audio_seconds"] == round(0.08 * (usage["output_tokens"] - 1), 3)
+    # at speed 2 the client gets half the seconds of audio per frame, and the metrics say so
+    fast = [json.loads(line[6:]) for line in speech(server, stream_format="sse", speed=2.0).text.splitlines()
+            if line.startswith("data: ")][-1]
+    assert fast["type"] == "speech.audio.done" and fast["usage"]["output_tokens"] == usage["output_tokens"]
+    assert fast["metrics"]["audio_seconds"] == round(0.04 * (usage["output_tokens"] - 1), 3)
 
 
 def test_openai_client_unmodified(server, tmp_path):
@@ -140,6 +145,14 @@ def test_bad_requests_get_openai_errors(server, body, param):
     err = r.json()["error"]
     assert set(err) == {"message", "type", "param", "code"} and err["type"] == "invalid_request_error"
     assert err["param"] == param, err
+
+
+@pytest.mark.parametrize("text,code", [("   ", "empty_input"), ("x" * 5000, "input_too_long"),
+                                       ("half a surrogate pair \ud800 is not text", "invalid_value")])
+def test_input_errors_say_what_is_wrong(server, text, code):
+    body = json.dumps({"model": "tts-1", "input": text, "response_format": "pcm"})   # ASCII: \ud800 escaped
+    r = httpx.post(server.base + "/v1/audio/speech", content=body, headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["code"] == code, r.text
 
 
 def test_malformed_json_and_unknown_routes(server):

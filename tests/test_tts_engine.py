@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import soundfile as sf
 
-from conftest import TEST_DEVICE, GOLDEN, backbone_hidden, golden, tolerance
+from conftest import TEST_DEVICE, backbone_hidden, golden, tolerance
 
 CASES = ["text_only", "voice_clone"]
 TEXTS = {"text_only": "Welcome to the world of MOSS TTS Realtime. Experience how text transforms into smooth, "

@@ -47,13 +47,14 @@ import grpc
 import numpy as np
 
 from engine.bundle import Bundle
-from engine.errors import CapacityError, EngineError, InputError, OverloadError
+from engine.errors import EngineError, InputError
+from engine.generate import utterance_ids
 from engine.scheduler import FrameEvent, QueueSink, StreamError, TurnEnd
 from engine.stream import FinishReason
 from engine.voices import read_reference_audio, resolve_voice
 
 from ..audio_formats import StreamEncoder
-from ..errors import ApiError
+from ..errors import ApiError, from_engine
 from ..service import DEFAULT_VOICE, OPENAI_VOICES, TTSService
 from ..settings import ServerSettings
 from . import backend_pb2 as pb
@@ -103,16 +104,9 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
         return exc.code, exc.message
     if isinstance(exc, OptionError):
         return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
-    if isinstance(exc, ApiError):
-        return _HTTP_TO_GRPC.get(exc.status, grpc.StatusCode.INTERNAL), exc.message
-    if isinstance(exc, CapacityError):
-        return grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)
-    if isinstance(exc, OverloadError):
-        return grpc.StatusCode.UNAVAILABLE, str(exc)
-    if isinstance(exc, InputError):
-        return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
-    if isinstance(exc, EngineError):
-        return grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}"
+    if isinstance(exc, (ApiError, EngineError)):        # the HTTP mapping, translated
+        err = from_engine(exc)
+        return _HTTP_TO_GRPC.get(err.status, grpc.StatusCode.INTERNAL), err.message
     log.error("unexpected error", exc_info=exc)
     return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}"
 
@@ -541,11 +535,6 @@ class MossTTSBackend(pb_grpc.BackendServicer):
     def _prepare(self, loaded: _Loaded, request) -> _Job:
         service = loaded.service
         model = service.model
-        text = request.text
-        try:
-            service.limits.check_text_chars(text)
-        except InputError as e:
-            raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, f"text: {e}") from None
         p: TTSParams = parse_tts_params(request.params)
         if p.ignored:
             log.debug("ignoring params %s", ", ".join(p.ignored))
@@ -556,10 +545,7 @@ class MossTTSBackend(pb_grpc.BackendServicer):
         params = service.sampling(p.sampling)
         voice = self._voice(loaded, request.voice)
         try:
-            ids = model.tokenizer.encode(text)
-            prompt_rows = len(model.prompt.turn_prompt(True, voice))
-            service.limits.check_turn_fits(len(ids), prompt_rows, 0, model.layout.text_lead,
-                                           max_frames or service.limits.default_max_frames(len(ids)))
+            ids = utterance_ids(model, service.limits, voice, max_frames, text=request.text)
         except InputError as e:
             raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, f"text: {e}") from None
         return _Job(ids=ids, voice=voice, params=params, seed=p.sampling.seed, max_frames=max_frames, speed=p.speed,

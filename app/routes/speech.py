@@ -5,13 +5,13 @@ from __future__ import annotations
 import base64
 import json
 import logging
-import time
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
-from engine.errors import EngineError, InputError
+from engine.errors import ContextLimitError, EngineError, InputError, TextTooLongError
+from engine.generate import utterance_ids
 from engine.scheduler import AsyncSink, FrameEvent, StreamError, StreamHandle, TurnEnd
 
 from ..audio_formats import CONTENT_TYPES, StreamEncoder
@@ -37,34 +37,28 @@ async def create_speech(body: SpeechRequest, request: Request):
     service.require_ready()
     if not body.input.strip():
         raise ApiError(400, "input is empty", param="input", code="empty_input")
-    if len(body.input) > service.settings.max_input_chars:
-        raise ApiError(400, f"input is {len(body.input)} characters; the limit is {service.settings.max_input_chars}",
-                       param="input", code="input_too_long")
     voice = service.resolve_voice(body.voice.model_dump() if hasattr(body.voice, "model_dump") else body.voice)
     params = service.sampling(SamplingFields(seed=body.seed, temperature=body.temperature, top_p=body.top_p,
                                              top_k=body.top_k, repetition_penalty=body.repetition_penalty,
                                              repetition_window=body.repetition_window, greedy=body.greedy))
     model = service.model
     try:
-        ids = model.tokenizer.encode(body.input, allow_special=body.allow_special_tokens)
-        prompt_rows = len(model.prompt.turn_prompt(True, voice))
-        service.limits.check_turn_fits(len(ids), prompt_rows, 0, model.layout.text_lead,
-                                       body.max_frames or service.limits.default_max_frames(len(ids)))
-    except InputError as e:
+        ids = utterance_ids(model, service.limits, voice, body.max_frames, text=body.input,
+                            allow_special_tokens=body.allow_special_tokens)
+    except (TextTooLongError, ContextLimitError) as e:
         raise ApiError(400, str(e), param="input", code="input_too_long") from None
+    except InputError as e:
+        raise ApiError(400, str(e), param="input", code="invalid_value") from None
     try:
         encoder = StreamEncoder(body.response_format, model.codec.sample_rate, body.speed)
     except ValueError as e:
         raise ApiError(400, str(e), param="speed", code="invalid_value") from None
 
-    handle = service.open_stream(voice, params, body.seed, AsyncSink(), body.allow_special_tokens)
     try:
         # a slot may take up to --queue-timeout seconds to free: wait off the event loop
-        await run_in_threadpool(handle.begin_turn, max_frames=body.max_frames)
-        handle.push_token_ids(ids)
-        handle.end_text()
+        handle = await run_in_threadpool(service.start_utterance, ids, voice, params, body.seed, AsyncSink(),
+                                         body.max_frames, body.allow_special_tokens)
     except BaseException as e:
-        handle.close()
         encoder.close()
         if not isinstance(e, Exception):
             raise
@@ -78,8 +72,11 @@ async def create_speech(body: SpeechRequest, request: Request):
     return StreamingResponse(_audio(handle, encoder, meter, metrics), media_type=encoder.content_type, headers=headers)
 
 
-async def _events(handle: StreamHandle, encoder: StreamEncoder, meter: StreamMeter):
-    """(encoded bytes, final stats or None) per engine event, closing the stream however the loop ends."""
+async def _events(handle: StreamHandle, encoder: StreamEncoder, meter: StreamMeter, metrics):
+    """(encoded bytes, final stats or None) per engine event. However the loop ends (done, engine error,
+    client gone) it closes the stream and the encoder, finishes the meter and counts the request."""
+    status = "client_disconnected"
+    seconds_per_frame = FRAME_SECONDS / encoder.speed        # what the client plays per frame
     try:
         while True:
             event = await handle.aget()
@@ -87,56 +84,50 @@ async def _events(handle: StreamHandle, encoder: StreamEncoder, meter: StreamMet
                 meter.frame()
                 if event.frame.audio is not None:
                     data = encoder.write(event.frame.audio)
-                    meter.audio_sent(FRAME_SECONDS)
+                    meter.audio_sent(seconds_per_frame)
                     if data:
                         yield data, None
             elif isinstance(event, StreamError):
                 raise event.error
             elif isinstance(event, TurnEnd):
+                status = "200"
                 yield encoder.close(), event.stats
                 return
-    finally:
-        handle.close()
-
-
-async def _audio(handle, encoder, meter, metrics):
-    status = "client_disconnected"
-    try:
-        async for data, stats in _events(handle, encoder, meter):
-            if data:
-                yield data
-            if stats is not None:
-                status = "200"
     except EngineError as e:                 # headers are sent: the stream can only end early
         status = str(from_engine(e).status)
         log.error("speech stream failed after %d frames: %s", meter.frames, e)
+        raise
     finally:
+        handle.close()
+        encoder.close()
         meter.finish()
         metrics.requests.labels(ENDPOINT, status).inc()
 
 
-async def _sse(handle, encoder, meter, input_tokens: int, metrics):
-    status = "client_disconnected"
-    started = time.monotonic()
+async def _audio(handle, encoder, meter, metrics):
     try:
-        async for data, stats in _events(handle, encoder, meter):
+        async for data, _ in _events(handle, encoder, meter, metrics):
+            if data:
+                yield data
+    except EngineError:
+        pass                                 # logged and counted by _events; the body just ends
+
+
+async def _sse(handle, encoder, meter, input_tokens: int, metrics):
+    try:
+        async for data, stats in _events(handle, encoder, meter, metrics):
             if data:
                 yield _event({"type": "speech.audio.delta", "audio": base64.b64encode(data).decode()})
             if stats is not None:
-                status = "200"
                 timing = meter.finish()
                 yield _event({"type": "speech.audio.done",
                               "usage": {"input_tokens": input_tokens, "output_tokens": stats.frames,
                                         "total_tokens": input_tokens + stats.frames},
                               "finish_reason": stats.finish_reason.value,
                               "metrics": {**timing, "frames": stats.frames, "audio_seconds": round(meter.audio_s, 3),
-                                          "elapsed_ms": round(1000 * (time.monotonic() - started), 1)}})
+                                          "elapsed_ms": timing["total_ms"]}})
     except EngineError as e:
-        err = from_engine(e)
-        status = str(err.status)
-        yield _event({"type": "speech.audio.error", **err.body()})
-    finally:
-        metrics.requests.labels(ENDPOINT, status).inc()
+        yield _event({"type": "speech.audio.error", **from_engine(e).body()})
 
 
 def _event(payload: dict) -> bytes:

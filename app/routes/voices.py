@@ -5,7 +5,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Depends, File, Form, Request, UploadFile
 from starlette.concurrency import run_in_threadpool
 
-from engine.errors import InputError
+from engine.errors import InputError, VoiceExistsError
 from engine.voices import VOICE_NAME_PATTERN
 
 from ..auth import require_key
@@ -40,9 +40,10 @@ async def create_voice(request: Request, name: str = Form(..., pattern=VOICE_NAM
     try:
         wav, rate = await run_in_threadpool(decode_upload, data, service.limits)
         rec = await run_in_threadpool(service.register_voice, name, wav, rate)
+    except VoiceExistsError as e:      # registered by another request meanwhile
+        raise ApiError(409, str(e), param="name", code="voice_exists") from None
     except InputError as e:
-        code = "voice_exists" if "already exists" in str(e) else "invalid_audio"
-        raise ApiError(409 if code == "voice_exists" else 400, str(e), param="audio_sample", code=code) from None
+        raise ApiError(400, str(e), param="audio_sample", code="invalid_audio") from None
     return VoiceObject(**rec.public())
 
 

@@ -23,7 +23,7 @@ from engine.errors import EngineError
 from engine.scheduler import AsyncSink, FrameEvent, StreamError, StreamHandle, TurnEnd
 from engine.voices import resolve_voice
 
-from ..audio_formats import float_to_pcm16, wav_stream_header
+from ..audio_formats import StreamEncoder
 from ..auth import websocket_key
 from ..errors import ApiError, from_engine
 from ..metrics import FRAME_SECONDS, StreamMeter
@@ -122,10 +122,8 @@ class WsSession:
         self.turns = 0
         self.response_id: str | None = None
         self.meter: StreamMeter | None = None
-        self.turn_text_tokens = 0
-        self.turn_open = False            # response.created sent, response.done not yet
         self.turn_refused = False         # a turn failed to open: its remaining text is refused
-        self.turn_closed = asyncio.Event()
+        self.turn_closed = asyncio.Event()  # cleared while a turn is open (response.created, not yet .done)
         self.turn_closed.set()
         self.last_response: str | None = None
         self._send_lock = asyncio.Lock()
@@ -148,6 +146,10 @@ class WsSession:
             payload["event_id"] = event_id
         await self.send_json(payload)
 
+    @property
+    def turn_open(self) -> bool:
+        return not self.turn_closed.is_set()
+
     async def fail(self, e: ProtocolError) -> None:
         try:
             await self.error(e.code, e.message, fatal=True)
@@ -160,7 +162,8 @@ class WsSession:
         self.metrics.sessions.inc()
         try:
             await self.send_json({
-                "type": "session.created", "session_id": self.session_id, "sample_rate": 24000, "format": self.format,
+                "type": "session.created", "session_id": self.session_id, "sample_rate": self.service.model.codec.sample_rate,
+                "format": self.format,
                 "limits": {"max_message_bytes": self.settings.ws_max_message_bytes,
                            "max_buffered_chars": self.settings.ws_max_buffered_chars,
                            "max_turns": self.settings.ws_max_turns, "idle_timeout_s": self.settings.ws_idle_timeout,
@@ -292,7 +295,7 @@ class WsSession:
         self._refuse_text_of_refused_turn()
         await self._open_turn()
         self._check_buffer(len(msg.text))
-        self.turn_text_tokens += self.handle.push_text(msg.text)
+        self.handle.push_text(msg.text)
 
     async def on_tokens(self, data: dict) -> None:
         msg = TokensInput.model_validate(data)
@@ -300,7 +303,7 @@ class WsSession:
         self._refuse_text_of_refused_turn()
         await self._open_turn()
         self._check_buffer(len(msg.ids))
-        self.turn_text_tokens += self.handle.push_token_ids(msg.ids)
+        self.handle.push_token_ids(msg.ids)
 
     async def on_done(self, data: dict) -> None:
         Bare.model_validate(data)
@@ -310,7 +313,7 @@ class WsSession:
             return
         if not self.turn_open or self.handle is None or not self.handle.stream.has_turn:
             raise ApiError(400, "no turn is open: send input.text or input.tokens first", code="no_turn")
-        self.turn_text_tokens += self.handle.end_text()
+        self.handle.end_text()
 
     async def on_cancel(self, data: dict) -> None:
         Bare.model_validate(data)
@@ -352,8 +355,6 @@ class WsSession:
         self.turns += 1
         self.response_id = "resp_" + secrets.token_hex(8)
         self.meter = StreamMeter(self.metrics, "ws", started)
-        self.turn_text_tokens = 0
-        self.turn_open = True
         self.turn_closed.clear()
         await self.send_json({"type": "response.created", "response_id": self.response_id, "turn": self.turns})
 
@@ -368,24 +369,22 @@ class WsSession:
                            "to be spoken; send more once audio has caught up", code="text_buffer_full")
 
     async def _send_events(self) -> None:
-        wav_pending = False
+        encoder = None      # the turn's: pcm, or wav with its streaming header before the turn's first samples
         try:
             while True:
                 event = await self.handle.aget()
                 if isinstance(event, FrameEvent):
                     self.meter.frame()
-                    if event.frame.index == 0:
-                        wav_pending = self.format == "wav"
                     if event.frame.audio is not None:
-                        data = float_to_pcm16(event.frame.audio)
-                        if wav_pending:
-                            data, wav_pending = wav_stream_header() + data, False
-                        await self.send_bytes(data)
+                        if encoder is None:
+                            encoder = StreamEncoder(self.format, self.service.model.codec.sample_rate)
+                        await self.send_bytes(encoder.write(event.frame.audio))
                         self.meter.audio_sent(FRAME_SECONDS)
                 elif isinstance(event, StreamError):
                     err = from_engine(event.error)
                     await self.error(err.code or "engine_error", err.message, type_=err.type)
                 elif isinstance(event, TurnEnd):
+                    encoder = None
                     timing = self.meter.finish()
                     status = "200" if event.stats.finish_reason.value != "error" else "500"
                     self.metrics.requests.labels(PATH, status).inc()
@@ -396,7 +395,6 @@ class WsSession:
                                   "audio_seconds": round(self.meter.audio_s, 3)},
                         "timing": {**timing, "stalls": event.stats.stalls}})
                     self.last_response = self.response_id
-                    self.turn_open = False
                     self.turn_closed.set()
         except (WebSocketDisconnect, RuntimeError, asyncio.CancelledError):
             pass
