@@ -46,6 +46,8 @@ class ServerSettings(BaseSettings):
     ws_max_message_bytes: int = Field(4 * 1024 * 1024, ge=1024, le=64 * 1024 * 1024)
     ws_max_buffered_chars: int = Field(8192, ge=16, le=1_000_000, description="text received but not yet spoken")
     ws_max_turns: int = Field(200, ge=1, le=100_000)
+    ws_text_timeout: float = Field(30.0, gt=0, le=3600.0, description="seconds a turn waits for more text before "
+                                   "its text is ended for it")
 
     @field_validator("api_keys", "cors_origins", mode="before")
     @classmethod

@@ -319,7 +319,8 @@ class StreamState:
     def truncate_turn(self, audio_frames: int) -> int:
         """After the last turn ended (typically cancelled): keep in the context only what a listener who
         heard its first ``audio_frames`` frames of audio heard — the turn's prefill block and the step rows
-        carrying those frames (as if the turn had ended there). Returns the context rows kept; the
+        carrying those frames (as if the turn had ended there; more frames than the turn played keep all
+        of it, see ``turn_audio_frames``). Returns the context rows kept; the
         runner drops the rest of the KV cache before the next step."""
         self._require_turn()
         t = self._turn
@@ -329,9 +330,9 @@ class StreamState:
             raise InputError(f"audio frames heard must be an integer >= 0, got {audio_frames!r}")
         if t.stats.prefill_rows == 0:
             return self.fed_rows                          # nothing of the turn was fed
-        lay = self.model.layout
-        played = [i for i, c in enumerate(t.frames) if c[0] != lay.audio_eos and playable(c, lay.codebook_size)]
-        carried = played[audio_frames - 1] + 1 if audio_frames else 0   # frames 0..j ride in step rows 1..j+1
+        played = self._played_frames()
+        heard = min(int(audio_frames), len(played))     # a listener never heard more than was played
+        carried = played[heard - 1] + 1 if heard else 0   # frames 0..j ride in step rows 1..j+1
         keep = min(self.fed_rows, t.start_rows + t.stats.prefill_rows + carried)
         drop = self.fed_rows - keep
         while drop > 0:
@@ -344,6 +345,28 @@ class StreamState:
                 drop = 0
         self.fed_rows = keep
         return keep
+
+    @property
+    @_locked
+    def waiting_for_text(self) -> bool:
+        """The open turn's text has not ended and it has nothing left to feed: only more text (or its
+        end) lets it go on. A transport bounds how long a turn may wait so (WebSocket text timeout)."""
+        t = self._turn
+        if t is None or t.text_ended or self.state not in (TurnState.WAITING, TurnState.RUNNING):
+            return False
+        if self.state is TurnState.WAITING:
+            return len(t.pending) < self.model.layout.text_lead
+        return not t.pending
+
+    @property
+    @_locked
+    def turn_audio_frames(self) -> int:
+        """Frames of audio the current (or last) turn played: what ``truncate_turn`` can keep at most."""
+        return len(self._played_frames()) if self._turn is not None else 0
+
+    def _played_frames(self) -> list[int]:
+        lay = self.model.layout
+        return [i for i, c in enumerate(self._turn.frames) if c[0] != lay.audio_eos and playable(c, lay.codebook_size)]
 
     @_locked
     def fail(self) -> None:

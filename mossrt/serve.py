@@ -12,6 +12,8 @@ from .commands import CliError, ensure_demo_bundle, progress
 FLAG_FIELDS = ("bundle", "host", "port", "voices_dir", "max_streams", "device", "threads", "max_input_chars",
                "max_context_rows", "queue_timeout", "drain_timeout", "verify", "log_format", "log_level",
                "max_voice_seconds")
+# bounds against hostile clients (issue 14): their own block so parallel additions merge mechanically
+BOUND_FLAG_FIELDS = ("ws_text_timeout",)
 
 
 def load_settings(args):
@@ -19,7 +21,7 @@ def load_settings(args):
 
     from app.settings import ServerSettings
 
-    given = {k: getattr(args, k) for k in FLAG_FIELDS if getattr(args, k, None) is not None}
+    given = {k: getattr(args, k) for k in FLAG_FIELDS + BOUND_FLAG_FIELDS if getattr(args, k, None) is not None}
     if getattr(args, "api_key", None):
         given["api_keys"] = args.api_key
     if getattr(args, "cors_origin", None):
@@ -93,6 +95,9 @@ def add_serve_parser(sub, runtime_flags, int_in, finite_float) -> None:
                                                                       "or every sha256 (full) (MOSSRT_VERIFY)")
     s.add_argument("--log-format", choices=["text", "json"], help="log lines as text or JSON (MOSSRT_LOG_FORMAT)")
     s.add_argument("--log-level", choices=["debug", "info", "warning", "error"], help="(MOSSRT_LOG_LEVEL; info)")
+    s.add_argument("--ws-text-timeout", type=finite_float,
+                   help="seconds a WebSocket turn waits for more text (nothing left to speak) before its text is "
+                        "ended for it (MOSSRT_WS_TEXT_TIMEOUT; 30)")
     runtime_flags(s)
     for action in s._actions:                     # device/threads default from the settings, not argparse
         if action.dest in ("device", "threads"):

@@ -39,6 +39,7 @@ CLOSE_UNAUTHORIZED = 4001
 CLOSE_POLICY = 4008       # idle timeout, too many turns
 CLOSE_UNAVAILABLE = 4503  # loading, draining
 CLOSE_INTERNAL = 4500
+TEXT_POLL_S = 0.5         # how often an open turn's wait for text is checked (the text timeout's resolution)
 
 
 class SessionUpdate(SamplingExtras):
@@ -129,6 +130,8 @@ class WsSession:
         self._send_lock = asyncio.Lock()
         self._sender: asyncio.Task | None = None
         self._closing = False
+        self._waiting_since: float | None = None   # when the open turn was last seen waiting for text
+        self._quiet_since = time.monotonic()      # the last message, or the end of the last turn if later
 
     # ------------------------------------------------------------------ sending
     async def send_json(self, payload: dict) -> None:
@@ -167,16 +170,21 @@ class WsSession:
                 "limits": {"max_message_bytes": self.settings.ws_max_message_bytes,
                            "max_buffered_chars": self.settings.ws_max_buffered_chars,
                            "max_turns": self.settings.ws_max_turns, "idle_timeout_s": self.settings.ws_idle_timeout,
+                           "text_timeout_s": self.settings.ws_text_timeout,
                            "max_context_rows": self.service.limits.max_context_rows,
                            "max_voice_seconds": self.service.limits.max_voice_seconds}})
             while True:
                 try:
-                    message = await asyncio.wait_for(self.ws.receive(), timeout=self.settings.ws_idle_timeout)
+                    message = await asyncio.wait_for(self.ws.receive(), timeout=self._receive_timeout())
                 except asyncio.TimeoutError:
                     if self.turn_open:
+                        await self._check_text_timeout()
                         continue                       # the client is listening to a turn: not idle
+                    if time.monotonic() - self._quiet_since < self.settings.ws_idle_timeout:
+                        continue
                     raise ProtocolError("idle_timeout", f"no message for {self.settings.ws_idle_timeout:g} s",
                                         True, CLOSE_POLICY) from None
+                self._quiet_since = time.monotonic()
                 if message["type"] == "websocket.disconnect":
                     return
                 await self.handle_message(message)
@@ -296,6 +304,7 @@ class WsSession:
         await self._open_turn()
         self._check_buffer(len(msg.text))
         self.handle.push_text(msg.text)
+        self._text_accepted()
 
     async def on_tokens(self, data: dict) -> None:
         msg = TokensInput.model_validate(data)
@@ -304,6 +313,7 @@ class WsSession:
         await self._open_turn()
         self._check_buffer(len(msg.ids))
         self.handle.push_token_ids(msg.ids)
+        self._text_accepted()
 
     async def on_done(self, data: dict) -> None:
         Bare.model_validate(data)
@@ -327,10 +337,49 @@ class WsSession:
             raise ApiError(400, "no response to truncate", code="no_response")
         if self.turn_open:
             raise ApiError(400, "truncate after the response ended (send response.cancel first)", code="turn_in_progress")
-        frames = math.ceil(msg.audio_end_ms / (1000 * FRAME_SECONDS))
+        asked = math.ceil(msg.audio_end_ms / (1000 * FRAME_SECONDS))
+        played = self.handle.stream.turn_audio_frames
+        frames = min(asked, played)       # past the end of the audio: clamped to what was played
         kept = self.handle.truncate_turn(frames)
-        await self.send_json({"type": "response.truncated", "response_id": self.last_response,
-                              "audio_end_ms": msg.audio_end_ms, "audio_frames": frames, "context_rows": kept})
+        reply = {"type": "response.truncated", "response_id": self.last_response,
+                 "audio_end_ms": msg.audio_end_ms if asked <= played else round(played * 1000 * FRAME_SECONDS),
+                 "audio_frames": frames, "context_rows": kept}
+        if asked > played:
+            reply["clamped"] = True
+        await self.send_json(reply)
+
+    # ------------------------------------------------------------------ the text timeout
+    def _receive_timeout(self) -> float:
+        """How long to wait for the next message: the idle timeout, or while a turn still takes text, the
+        polling interval of its text timeout."""
+        if self.turn_open and self.handle is not None and self.handle.stream.has_turn:
+            return min(TEXT_POLL_S, self.settings.ws_text_timeout)
+        return max(0.0, self._quiet_since + self.settings.ws_idle_timeout - time.monotonic())
+
+    def _text_accepted(self) -> None:
+        """Text went into the open turn: its wait for text starts again (now, if it has too little to go on)."""
+        self._waiting_since = time.monotonic() if self.handle.stream.waiting_for_text else None
+
+    async def _check_text_timeout(self) -> None:
+        """A turn that has waited ``ws_text_timeout`` s for text with nothing left to speak gets its text
+        ended for it (as by ``input.done``, after an ``error`` saying so): it finishes what it has, so a client
+        that never sends ``input.done`` cannot hold its turn, or its slot, forever."""
+        stream = self.handle.stream if self.handle is not None else None
+        if stream is None or not stream.waiting_for_text:
+            self._waiting_since = None
+            return
+        now = time.monotonic()
+        if self._waiting_since is None:
+            self._waiting_since = now
+        if now - self._waiting_since < self.settings.ws_text_timeout:
+            return
+        self._waiting_since = None
+        await self.error("text_timeout", f"no text for {self.settings.ws_text_timeout:g} s while the turn waited for "
+                         "it: its text was ended (as by input.done); the turn finishes what it has")
+        try:
+            self.handle.end_text()
+        except EngineError:
+            pass                                        # the stream closed or the text ended meanwhile
 
     # ------------------------------------------------------------------ turns
     async def _open_turn(self) -> None:
@@ -355,6 +404,7 @@ class WsSession:
         self.turns += 1
         self.response_id = "resp_" + secrets.token_hex(8)
         self.meter = StreamMeter(self.metrics, "ws", started)
+        self._waiting_since = time.monotonic()        # the turn's wait for text starts when it opens
         self.turn_closed.clear()
         await self.send_json({"type": "response.created", "response_id": self.response_id, "turn": self.turns})
 
@@ -395,6 +445,7 @@ class WsSession:
                                   "audio_seconds": round(self.meter.audio_s, 3)},
                         "timing": {**timing, "stalls": event.stats.stalls}})
                     self.last_response = self.response_id
+                    self._quiet_since = time.monotonic()      # the idle timeout counts from the turn's end
                     self.turn_closed.set()
         except (WebSocketDisconnect, RuntimeError, asyncio.CancelledError):
             pass
