@@ -13,8 +13,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from engine.errors import (BundleError, CapacityError, EngineError, GraphError, InputError, OverloadError,
-                           StreamClosedError)
+from engine.errors import (BundleError, CapacityError, EngineBrokenError, EngineError, GraphError, InputError,
+                           OverloadError, StreamClosedError)
 
 log = logging.getLogger("mossrt.app")
 
@@ -42,6 +42,8 @@ def from_engine(exc: Exception, param: str | None = None) -> ApiError:
     if isinstance(exc, CapacityError):
         return ApiError(429, str(exc), "rate_limit_error", None, "no_capacity",
                         {"Retry-After": str(RETRY_AFTER_SECONDS)})
+    if isinstance(exc, EngineBrokenError):
+        return ApiError(503, str(exc), "server_error", None, "engine_broken", {"x-should-retry": "false"})
     if isinstance(exc, OverloadError):
         return ApiError(503, str(exc), "server_error", None, "draining", {"Retry-After": str(RETRY_AFTER_SECONDS)})
     if isinstance(exc, StreamClosedError):

@@ -142,7 +142,16 @@ class TTSService:
         if self.scheduler is not None:
             self.scheduler.stop()
 
+    @property
+    def health_state(self) -> str:
+        """``state``, or ``broken`` once the running engine is unusable (``Scheduler.broken``)."""
+        if self.state == "ready" and self.scheduler is not None and self.scheduler.broken:
+            return "broken"
+        return self.state
+
     def require_ready(self) -> None:
+        if self.health_state == "broken":
+            raise ApiError(503, f"the engine is broken: {self.scheduler.broken}", "server_error", None, "engine_broken")
         if self.state == "ready":
             return
         if self.state == "draining":

@@ -37,6 +37,11 @@ class OverloadError(EngineError):
     """No capacity to admit more work right now: a 429/503."""
 
 
+class EngineBrokenError(OverloadError):
+    """The engine itself is unusable (its device failed in a way no single stream explains): a 503, and
+    ``/ready`` says so until the process is replaced."""
+
+
 class CapacityError(OverloadError):
     """Every KV slot of the scheduler is taken (and none freed within the wait allowed)."""
 

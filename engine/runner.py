@@ -143,14 +143,15 @@ class StepRunner:
         if not self.free_slots:
             raise CapacityError(f"all {self.slots} stream slots are in use")
         slot = len(self._entries)
+        self.kv.lengths[slot] = 0
+        self.decoder.reset(slot)          # before the entry exists: a failure here leaves the runner as it was
         self._serial += 1
         self._entries.append(_Entry(stream, slot, self._serial))
-        self.kv.lengths[slot] = 0
-        self.decoder.reset(slot)
         return slot
 
     def detach(self, stream: StreamState) -> None:
-        """Free the stream's slot; the last slot's stream moves into it so active slots stay a prefix."""
+        """Free the stream's slot; the last slot's stream moves into it so active slots stay a prefix. A
+        failing move leaves every stream where it was (the stream stays attached: retry later)."""
         entry = self._entry(stream)
         if entry.request is not None:
             stream.release(entry.request)
@@ -186,6 +187,10 @@ class StepRunner:
             if e.request is None:
                 e.request = e.stream.want()
                 e.fed = 0
+                if e.request is not None:
+                    # where its rows go, read with the request (under the stream's lock): a truncate and a
+                    # new turn between the check above and want() must not make it write at the old length
+                    self.kv.lengths[e.slot] = e.request.start_row
         prefills = sorted((e for e in self._entries if e.request is not None and len(e.request.rows) > 1),
                           key=lambda e: e.serial)
         decodes = [e for e in self._entries if e.request is not None and len(e.request.rows) == 1]
@@ -284,28 +289,26 @@ class StepRunner:
         return done
 
     def _step(self, entries: list[_Entry], result: TickResult) -> list[tuple[_Entry, np.ndarray]]:
-        def run(group: list[_Entry]) -> list[tuple[_Entry, np.ndarray]]:
+        def run(group: list[_Entry]) -> list[np.ndarray]:
             lo, hi = min(e.slot for e in group), max(e.slot for e in group) + 1
             grid = np.broadcast_to(self._rider_row, (hi - lo, 1, len(self._rider_row))).copy()
             for e in group:
                 grid[e.slot - lo, 0] = e.request.rows[0]
             hidden = self.model.run_backbone(grid, self.kv, lo, hi, self.timing.step)
-            out = []
-            for e in group:
-                h = hidden[e.slot - lo, 0]
-                if not np.isfinite(h).all():
-                    self._fail(e, GraphError("the backbone produced NaN/Inf hidden states"), result)
-                    continue
-                self.kv.lengths[e.slot] += 1
-                e.stream.on_fed(e.request, e.request.rows)
-                out.append((e, h))
-            return out
+            return [hidden[e.slot - lo, 0] for e in group]
+
+        def commit(e: _Entry, h: np.ndarray) -> tuple[_Entry, np.ndarray]:
+            if not np.isfinite(h).all():
+                raise GraphError("the backbone produced NaN/Inf hidden states")
+            self.kv.lengths[e.slot] += 1
+            e.stream.on_fed(e.request, e.request.rows)
+            return e, h
 
         result.worked = True
-        return self._isolated(run, entries, result)
+        return self._isolated(run, commit, entries, result)
 
     def _depth(self, done: list[tuple[_Entry, np.ndarray]], result: TickResult) -> list[tuple[_Entry, Frame]]:
-        def run(group: list[tuple[_Entry, np.ndarray]]) -> list[tuple[_Entry, Frame]]:
+        def run(group: list[tuple[_Entry, np.ndarray]]) -> list[np.ndarray]:
             reqs = [e.request for e, _ in group]
             window = max(r.history.shape[0] for r in reqs)
             history = np.full((len(reqs), window, self.model.layout.codebooks), self.model.history_pad, np.int64)
@@ -314,16 +317,16 @@ class StepRunner:
             codes = self.model.run_depth(np.stack([h for _, h in group]), history, [r.params for r in reqs],
                                          np.stack([r.uniform for r in reqs]), np.array([r.first_frame for r in reqs]),
                                          self.timing.depth)
-            out = []
-            for (e, _), c in zip(group, codes):
-                req, e.request = e.request, None
-                frame = e.stream.accept(req, c)
-                if frame is not None:
-                    out.append((e, frame))
-            return out
+            return list(codes)
+
+        def commit(item: tuple[_Entry, np.ndarray], codes: np.ndarray) -> tuple[_Entry, Frame] | None:
+            e = item[0]
+            req, e.request = e.request, None
+            frame = e.stream.accept(req, codes)
+            return None if frame is None else (e, frame)
 
         result.worked = True
-        return self._isolated(run, done, result, entry_of=lambda item: item[0])
+        return self._isolated(run, commit, done, result, entry_of=lambda item: item[0])
 
     # ------------------------------------------------------------------ audio and hand-back
     def _due(self, e: _Entry, now: float) -> list[Frame]:
@@ -375,7 +378,7 @@ class StepRunner:
                     result.turn_ends.append((e.stream, turn, stats))
 
     def _decode(self, due: list[tuple[_Entry, list[Frame]]], result: TickResult) -> None:
-        def run(group: list[tuple[_Entry, list[Frame]]]) -> list:
+        def run(group: list[tuple[_Entry, list[Frame]]]) -> list[np.ndarray]:
             hi = max(e.slot for e, _ in group) + 1
             n = max(len(fs) for _, fs in group)
             codes = np.zeros((hi, n, self.model.codec.num_quantizers), np.int64)
@@ -388,19 +391,20 @@ class StepRunner:
             audio = self.decoder.decode_checked(codes, count)
             spent = time.perf_counter() - t0
             self._codec_call_s = spent if not self._codec_call_s else 0.8 * self._codec_call_s + 0.2 * spent
-            now = time.monotonic()
+            return [audio[e.slot] for e, _ in group]
+
+        def commit(item: tuple[_Entry, list[Frame]], audio: np.ndarray) -> None:
+            e, fs = item
             spf = self.model.codec.samples_per_frame
-            for e, fs in group:
-                for i, f in enumerate(fs):
-                    f.audio = audio[e.slot, i * spf:(i + 1) * spf]
-                e.chunks += 1
-                e.play_start = now if e.play_start is None else e.play_start
-                e.audio_s += len(fs) * self._frame_s
-            return group
+            for i, f in enumerate(fs):
+                f.audio = audio[i * spf:(i + 1) * spf]
+            e.chunks += 1
+            e.play_start = time.monotonic() if e.play_start is None else e.play_start
+            e.audio_s += len(fs) * self._frame_s
 
         result.worked = True
         failed_before = len(result.failed)
-        self._isolated(run, due, result, entry_of=lambda item: item[0])
+        self._isolated(run, commit, due, result, entry_of=lambda item: item[0])
         for stream, _ in result.failed[failed_before:]:     # a stream whose audio failed: hand back what it has
             for e in self._entries:
                 if e.stream is stream:
@@ -409,22 +413,35 @@ class StepRunner:
                             f.audio = np.zeros(0, np.float32)
 
     # ------------------------------------------------------------------ failure isolation
-    def _isolated(self, run, items: list, result: TickResult, entry_of=lambda item: item) -> list:
-        """``run(items)``; if the batched call raises, each item alone, failing only those that raise."""
+    def _isolated(self, run, commit, items: list, result: TickResult, entry_of=lambda item: item) -> list:
+        """``run(items)``, the batched graph call, returns one output per item; if it raises, each item is
+        run alone, failing only those that raise. Then ``commit(item, output)`` applies each output exactly
+        once (a failing commit fails its item alone): a call that succeeded is never run again, so no row is
+        computed twice and no request is read after it was consumed. Returns the commits' results (not
+        None)."""
         try:
-            return run(items)
+            outputs = list(zip(items, run(items)))
         except Exception as batch_error:  # noqa: BLE001
             if len(items) == 1:
                 self._fail(entry_of(items[0]), batch_error, result)
                 return []
             log.warning("batched call failed (%s); retrying %d streams one by one", batch_error, len(items))
-            out = []
+            outputs = []
             for item in items:
                 try:
-                    out += run([item])
+                    outputs += zip([item], run([item]))
                 except Exception as exc:  # noqa: BLE001
                     self._fail(entry_of(item), exc, result)
-            return out
+        out = []
+        for item, output in outputs:
+            try:
+                done = commit(item, output)
+            except Exception as exc:  # noqa: BLE001 - one stream's results, never the others'
+                self._fail(entry_of(item), exc, result)
+                continue
+            if done is not None:
+                out.append(done)
+        return out
 
     def _fail(self, e: _Entry, exc: Exception, result: TickResult) -> None:
         log.error("stream in slot %d failed: %s", e.slot, exc)

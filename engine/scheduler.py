@@ -24,7 +24,7 @@ from typing import Protocol
 
 import numpy as np
 
-from .errors import CapacityError, EngineError, InputError, OverloadError, StreamClosedError
+from .errors import CapacityError, EngineBrokenError, EngineError, InputError, OverloadError, StreamClosedError
 from .limits import Limits
 from .prefix import PrefixCache, prefix_key
 from .runner import DEFAULT_PREFILL_CHUNK_ROWS, DEFAULT_PREFILL_ROWS_PER_TICK, SERVICE_CODEC_SCHEDULE, StepRunner
@@ -35,6 +35,7 @@ log = logging.getLogger("mossrt.scheduler")
 
 DEFAULT_QUEUE_TIMEOUT = 10.0
 DEFAULT_MAX_BUFFERED_FRAMES = 250      # 20 s of audio waiting for its consumer
+MAX_DETACH_ATTEMPTS = 3                # a slot that cannot be freed so often: the device is not trustworthy
 
 
 # ---------------------------------------------------------------------------------------------- events
@@ -250,6 +251,8 @@ class Scheduler:
         self._to_detach: list[StreamHandle] = []
         self._accepting = True
         self._stop = False
+        self._detach_failures: dict[int, int] = {}   # id(handle) -> failed detaches (its slot is still taken)
+        self.broken: str | None = None            # why the engine is unusable (no new streams), else None
         self._thread = threading.Thread(target=self._loop, name="mossrt-scheduler", daemon=True)
         self._thread.start()
 
@@ -335,6 +338,8 @@ class Scheduler:
                 return False
             if not self._accepting:
                 raise OverloadError("the server is draining: no new streams")
+            if self.broken:
+                raise EngineBrokenError(f"the engine is broken: {self.broken}")
             deadline = time.monotonic() + (self.queue_timeout if wait is None else wait)
             ticket = object()
             self._waiting.append(ticket)              # first come, first served
@@ -396,19 +401,83 @@ class Scheduler:
                 self._dirty = False
                 if self._stop:
                     break
-                for h in self._to_detach:           # detaches first: the slots they free are already promised
-                    self.runner.detach(h.stream)
-                    self._handles.remove(h)
-                    h.attached = False
-                self._to_detach.clear()
-                for h in self._to_attach:
-                    self.runner.attach(h.stream)
-                    self._handles.append(h)
-                    h.attached = True
-                self._to_attach.clear()
-                handles = list(self._handles)
-            wait_s = self._tick(handles)
+                leaving, self._to_detach = self._to_detach, []
+                joining, self._to_attach = self._to_attach, []
+            try:
+                # slot moves and resets run outside the lock: no caller waits on a device copy. Detaches
+                # first: the slots they free are already promised.
+                for h in leaving:
+                    self._detach(h)
+                for h in joining:
+                    self._attach(h)
+                with self._cond:
+                    handles = list(self._handles)
+                wait_s = self._tick(handles)
+            except Exception as exc:  # noqa: BLE001 - a bug here must not end the loop: every stream would hang
+                log.exception("scheduler loop failed")
+                self._break(f"the scheduler loop failed: {type(exc).__name__}: {exc}")
+                with self._cond:
+                    stranded = list(self._handles)
+                for h in stranded:                      # an error now rather than a stream that never ends
+                    self._fail_handle(h, EngineError(f"internal error: {exc}"))
+                wait_s = None
         self._shutdown()
+
+    def _detach(self, h: StreamHandle) -> None:
+        """Free a closed handle's slot. When that fails (a device copy), the slot stays taken by the closed
+        stream and the detach is retried at the next wake; after MAX_DETACH_ATTEMPTS the engine is broken."""
+        if not h.attached:
+            return                                      # its attach failed: it never held a runner slot
+        try:
+            self.runner.detach(h.stream)
+        except Exception as exc:  # noqa: BLE001 - one stream's slot, never the loop
+            tries = self._detach_failures.get(id(h), 0) + 1
+            self._detach_failures[id(h)] = tries
+            log.error("freeing a stream slot failed (attempt %d of %d): %s", tries, MAX_DETACH_ATTEMPTS, exc)
+            with self._cond:
+                self._to_detach.append(h)
+                if tries == 1:
+                    self._reserved += 1                 # still taken: admission must not promise it
+            if tries >= MAX_DETACH_ATTEMPTS:
+                self._break(f"a stream slot could not be freed ({type(exc).__name__}: {exc})")
+            return
+        with self._cond:
+            self._handles.remove(h)
+            h.attached = False
+            if self._detach_failures.pop(id(h), 0):
+                self._reserved -= 1
+                self._cond.notify_all()
+
+    def _attach(self, h: StreamHandle) -> None:
+        """Give a handle its runner slot; when that fails only its stream fails (its slot is free again)."""
+        try:
+            self.runner.attach(h.stream)
+        except Exception as exc:  # noqa: BLE001 - one stream, never the loop
+            log.error("starting a stream failed: %s", exc)
+            with self._cond:
+                if h._reserved:
+                    self._reserved -= 1
+                    h._reserved = False
+                    self._cond.notify_all()
+            self._fail_handle(h, EngineError(f"the stream could not start: {exc}"))
+            return
+        with self._cond:
+            self._handles.append(h)
+            h.attached = True
+
+    def _fail_handle(self, h: StreamHandle, error: Exception) -> None:
+        """The handle's turn ends with ERROR: the error, then the turn's end, to its consumer."""
+        h.stream.fail()
+        h.sink.put(StreamError(error))
+        for turn, stats in h.stream.take_finished():
+            h.sink.put(TurnEnd(turn, stats))
+
+    def _break(self, reason: str) -> None:
+        """The engine is unusable: no new streams (EngineBrokenError, /ready says so); running ones go on
+        as far as they can."""
+        if self.broken is None:
+            log.error("engine broken: %s", reason)
+            self.broken = reason
 
     def _tick(self, handles: list[StreamHandle]) -> float | None:
         """One runner tick and its events to the handles; returns how long the loop may sleep (see

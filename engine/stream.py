@@ -96,6 +96,7 @@ class StepRequest:
     # cache (keyed by the system block's rows); empty when the request starts no stream.
     prefix_cuts: tuple[int, ...] = ()
     sample: bool = True       # False: context rows only (prime), no frame follows
+    start_row: int = 0        # the stream's context rows when it was asked for: where the rows go in the KV
 
 
 def _locked(method):
@@ -386,7 +387,7 @@ class StreamState:
             rows, self._prime = self._prime, None
             self._in_flight = StepRequest(rows=rows, first_frame=False, params=self.params, uniform=np.zeros(0),
                                           history=np.zeros((0, 0), np.int64), turn=self._serial, sample=False,
-                                          prefix_cuts=self._prime_prefix)
+                                          prefix_cuts=self._prime_prefix, start_row=self.fed_rows)
             return self._in_flight
         if t is None or self.state not in (TurnState.WAITING, TurnState.RUNNING):
             return None
@@ -480,7 +481,7 @@ class StreamState:
         if recent:
             history[window - len(recent):] = np.stack(recent)
         req = StepRequest(rows=rows, first_frame=first, params=t.params, uniform=self.rng.next_frame(),
-                          history=history, turn=t.serial, prefix_cuts=prefix_cuts)
+                          history=history, turn=t.serial, prefix_cuts=prefix_cuts, start_row=self.fed_rows)
         self._in_flight = req
         return req
 

@@ -146,3 +146,248 @@ def test_ws_truncate_past_the_audio_is_clamped(bounded_server):
     assert truncated["clamped"] is True and 0 < truncated["audio_frames"] <= 10
     assert truncated["audio_end_ms"] == truncated["audio_frames"] * 80
     assert again["type"] == "response.done"
+
+
+# ---------------------------------------------------------------------------------------------- item 14
+import queue  # noqa: E402
+import threading  # noqa: E402
+
+SAY = "The quick brown fox jumps over the lazy dog, and the model keeps on talking for a while."
+
+
+def start(scheduler, model, text: str = SAY, max_frames: int = 24, seed: int = 0):
+    h = scheduler.open_stream(params=model.default_sampling(greedy=True), seed=seed)
+    h.begin_turn(max_frames=max_frames, wait=30)
+    h.push_text(text)
+    h.end_text()
+    return h
+
+
+def turn_end(h, timeout: float = 120):
+    """(frames, errors, stats) of the handle's turn, within ``timeout`` s."""
+    from engine.scheduler import FrameEvent, StreamError, TurnEnd
+
+    frames, errors, deadline = [], [], time.monotonic() + timeout
+    while True:
+        try:
+            event = h.get(timeout=max(0.01, deadline - time.monotonic()))
+        except queue.Empty:
+            raise AssertionError(f"no turn end within {timeout} s ({len(frames)} frames, errors {errors})") from None
+        if isinstance(event, FrameEvent):
+            frames.append(event.frame)
+        elif isinstance(event, StreamError):
+            errors.append(event.error)
+        elif isinstance(event, TurnEnd):
+            return frames, errors, event.stats
+
+
+def wait_until(predicate, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"{what} not within {timeout} s"
+        time.sleep(0.01)
+
+
+def failing_once(fn, exc: Exception, at: int = 1):
+    """``fn`` that raises ``exc`` on its ``at``-th call."""
+    calls = []
+
+    def wrapper(*args, **kwargs):
+        calls.append(args)
+        if len(calls) == at:
+            raise exc
+        return fn(*args, **kwargs)
+    wrapper.calls = calls
+    return wrapper
+
+
+def test_a_failing_slot_move_fails_no_stream_and_the_loop_keeps_serving(model):
+    """Three streams; the first closes early, and moving the last slot into its place fails once (a device
+    out-of-memory): the loop survives, the other two finish whole, the slot is freed on retry, and a new
+    stream runs."""
+    from engine.scheduler import Scheduler
+
+    sch = Scheduler(model, slots=3)
+    try:
+        kv = sch.runner.kv
+        kv.move = failing_once(kv.move, MemoryError("injected device out-of-memory"))
+        a, b, c = (start(sch, model, seed=i) for i in range(3))
+        wait_until(lambda: a.attached and b.attached and c.attached, 60, "three attached streams")
+        a.close()
+        for h in (b, c):
+            frames, errors, stats = turn_end(h)
+            assert not errors and stats.finish_reason.value in ("eos", "max_frames"), (errors, stats)
+        assert len(kv.move.calls) >= 2                     # failed, then retried
+        b.close()
+        c.close()
+        wait_until(lambda: sch.stats().active == 0 and sch.runner.attached == 0, 30, "every slot free")
+        frames, errors, _ = turn_end(start(sch, model))
+        assert frames and not errors and sch.broken is None
+    finally:
+        sch.stop()
+
+
+def test_the_slot_copy_runs_outside_the_scheduler_lock(model):
+    """While a slot move is in progress, callers (stats, admission) are not blocked by it."""
+    from engine.scheduler import Scheduler
+
+    sch = Scheduler(model, slots=2)
+    entered, release = threading.Event(), threading.Event()
+    real_move = sch.runner.kv.move
+
+    def slow_move(*args):
+        entered.set()
+        release.wait(20)
+        return real_move(*args)
+
+    try:
+        sch.runner.kv.move = slow_move
+        a, b = start(sch, model, seed=1), start(sch, model, seed=2)
+        wait_until(lambda: a.attached and b.attached, 60, "two attached streams")
+        a.close()                                          # slot 1 moves into slot 0
+        assert entered.wait(30)
+        answered = threading.Event()
+        threading.Thread(target=lambda: (sch.stats(), answered.set()), daemon=True).start()
+        assert answered.wait(5), "stats() waited for the device copy"
+        release.set()
+        frames, errors, _ = turn_end(b)
+        assert frames and not errors
+    finally:
+        release.set()
+        sch.stop()
+
+
+def test_a_failing_attach_fails_only_that_stream(model):
+    from engine.scheduler import Scheduler
+
+    sch = Scheduler(model, slots=2)
+    try:
+        sch.runner.decoder.reset = failing_once(sch.runner.decoder.reset, MemoryError("injected"))
+        first = start(sch, model, seed=1)
+        frames, errors, stats = turn_end(first, timeout=60)
+        assert errors and stats.finish_reason.value == "error"
+        first.close()
+        second = start(sch, model, seed=2)
+        frames, errors, _ = turn_end(second)
+        assert frames and not errors
+        second.close()
+        wait_until(lambda: sch.stats().active == 0, 30, "every slot free")
+    finally:
+        sch.stop()
+
+
+def break_with_a_stuck_slot(sch, model):
+    """Two streams; the first leaves and moving the second into its slot always fails (a device that keeps
+    failing): the second still finishes whole, and the engine is broken after the failed retries. Returns
+    the second stream's handle."""
+    def broken_move(*args):
+        raise MemoryError("injected: the device keeps failing")
+
+    a, b = start(sch, model, seed=1), start(sch, model, seed=2, max_frames=48)
+    wait_until(lambda: a.attached and b.attached, 60, "two attached streams")
+    sch.runner.kv.move = broken_move
+    a.close()
+    frames, errors, _ = turn_end(b)
+    assert frames and not errors
+    wait_until(lambda: sch.broken is not None, 60, "a broken engine")
+    return b
+
+
+def test_a_slot_that_cannot_be_freed_breaks_the_engine_but_running_streams_finish(model):
+    from engine.errors import EngineBrokenError
+    from engine.scheduler import Scheduler
+
+    sch = Scheduler(model, slots=2)
+    try:
+        break_with_a_stuck_slot(sch, model)
+        with pytest.raises(EngineBrokenError):
+            start(sch, model)
+    finally:
+        sch.stop()
+
+
+def test_a_prefill_after_truncate_and_new_turn_writes_at_the_truncated_length(model):
+    """A truncate and a new turn landing between the runner's context check and ``want()`` (another thread)
+    must not make the prefill write at the old length."""
+    from engine.runner import StepRunner
+    from engine.stream import StreamState
+
+    runner = StepRunner(model, 1, 8192)
+    st = StreamState(model, params=model.default_sampling(greedy=True), seed=0)
+    runner.attach(st)
+    st.begin_turn(max_frames=6)
+    st.push_text(SAY)
+    st.end_text()
+    for _ in range(200):
+        runner.tick()
+        if st.turn_done and not st.in_flight:
+            break
+    assert st.turn_done and runner.kv.lengths[0] == st.fed_rows
+    real_want = st.want
+
+    def racing_want():
+        st.want = real_want
+        st.truncate_turn(2)
+        st.begin_turn(max_frames=4)
+        st.push_text("A second turn.")
+        st.end_text()
+        return real_want()
+
+    st.want = racing_want
+    runner.tick()
+    assert runner.kv.lengths[0] == st.fed_rows
+
+
+def test_a_failing_commit_after_a_batched_depth_call_fails_only_its_stream(model):
+    """Two streams in one batched depth call; accepting the second one's frame fails: the first keeps its
+    frame (no re-run of a consumed request) and its output equals its solo run."""
+    from engine.runner import StepRunner
+    from engine.stream import StreamState
+
+    def run(n: int, broken: int | None) -> list[list]:
+        runner = StepRunner(model, n, 8192)
+        streams = [StreamState(model, params=model.default_sampling(), seed=7) for _ in range(n)]
+        for st in streams:
+            runner.attach(st)
+            st.begin_turn(max_frames=8)
+            st.push_text(SAY)
+            st.end_text()
+        if broken is not None:
+            bad = streams[broken]
+            bad.accept = failing_once(bad.accept, RuntimeError("injected"), at=3)   # in a batched call by then
+        codes: list[list] = [[] for _ in streams]
+        for _ in range(300):
+            result = runner.tick()
+            for stream, frame in result.frames:
+                codes[streams.index(stream)].append(frame.codes.tolist())
+            if all(s.turn_done and not s.in_flight for s in streams):
+                break
+        return codes, [s.stats.finish_reason.value for s in streams]
+
+    solo, _ = run(1, None)
+    pair, reasons = run(2, broken=1)
+    assert reasons[1] == "error" and reasons[0] != "error", reasons
+    assert pair[0] == solo[0]
+
+
+def test_ready_reports_a_broken_engine(full_bundle_dir, tmp_path):
+    """Once a stream slot cannot be freed, /ready answers 503 "broken" (so an orchestrator replaces the
+    process) and new speech requests get 503 engine_broken; the stream already running finished."""
+    from fastapi.testclient import TestClient
+
+    from app.server import create_app
+    from app.settings import ServerSettings
+    from engine.bundle import Bundle
+
+    settings = ServerSettings(bundle=full_bundle_dir, voices_dir=tmp_path / "v", max_streams=2, device="cpu")
+    app = create_app(settings, Bundle(full_bundle_dir, device="cpu"))
+    with TestClient(app) as client:
+        service = app.state.service
+        assert service.wait_ready(120)
+        assert client.get("/ready").status_code == 200
+        b = break_with_a_stuck_slot(service.scheduler, service.model)
+        r = client.get("/ready")
+        assert r.status_code == 503 and r.json()["status"] == "broken" and "could not be freed" in r.json()["error"]
+        r = client.post("/v1/audio/speech", json={"model": "tts-1", "input": "Hello.", "voice": "alloy"})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "engine_broken", r.text
+        b.close()

@@ -236,12 +236,34 @@ def test_voices_by_registered_name_and_by_reference_file(loaded, backend, tmp_pa
     _, default = stream(backend.stub, TEXT, voice="default", params={"greedy": "true"})
     assert by_name and by_name != default
 
-    ref = tmp_path / "ref.wav"
+    ref = backend.voices_dir / "ref.wav"            # reference files live in the voices (or model) directory
     sf.write(ref, golden("codec/codec_short.npz")["wav"], 24000)
     _, by_file = stream(backend.stub, TEXT, voice=str(ref), params={"greedy": "true"})
+    _, by_relative_name = stream(backend.stub, TEXT, voice="ref.wav", params={"greedy": "true"})
     expect = synth_reference(tmp_path, full_bundle_dir, TEXT, "--voice", str(ref))
     got = pcm16(by_file)
     assert got.shape == expect.shape and np.abs(got - expect).max() <= PCM_TOLERANCE
+    relative = pcm16(by_relative_name)
+    assert relative.shape == got.shape and np.abs(relative - got).max() <= PCM_TOLERANCE
+
+
+def test_reference_files_are_confined_and_errors_tell_no_file_apart(loaded, backend, tmp_path):
+    """Issue 14 item 13: a request's voice file must lie in the model or voices directory (resolved: no
+    ``..``, no ``~user``, no symlink out); everything else is the same "unknown voice" error, whether the file
+    exists, is audio, or is missing."""
+    outside = tmp_path / "outside.wav"
+    sf.write(outside, golden("codec/codec_short.npz")["wav"], 24000)   # a valid reference, but outside
+    link = backend.voices_dir / "link-out.wav"
+    link.unlink(missing_ok=True)
+    link.symlink_to(outside)
+    messages = {}
+    for voice in ("/etc/passwd", "/nonexistent/file", "~root/.bashrc", str(outside), "link-out.wav",
+                  str(link), "../" * 12 + "etc/passwd", f"{backend.voices_dir}/../{tmp_path.name}/outside.wav"):
+        err = rpc_error(backend.stub.TTS, pb.TTSRequest(text=TEXT, voice=voice, dst=str(tmp_path / "o.wav")))
+        assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, (voice, err.details())
+        messages[voice] = err.details().replace(repr(voice), "VOICE")
+    assert len(set(messages.values())) == 1, messages
+    assert "unknown voice VOICE" in next(iter(messages.values()))
 
 
 def test_status_ready_with_memory(loaded, backend):

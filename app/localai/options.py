@@ -114,6 +114,9 @@ MODEL_OPTIONS: dict[str, ModelOption] = {
     "voice": ModelOption("default_voice", parse_text,
                          "voice used when a request names none: a registered voice or a reference audio path "
                          "(default: ModelOptions.AudioPath, i.e. YAML tts.audio_path, else the model's own voice)"),
+    "reference_dir": ModelOption("reference_dir", parse_text,
+                                 "one more directory whose audio files a request's voice may name, such as the "
+                                 "folder of LocalAI's voice profiles (besides the models and voices directories)"),
     # exporting a Hugging Face checkpoint (parameters.model names a checkpoint instead of a bundle)
     "codec": ModelOption("codec", parse_text,
                          "MOSS-Audio-Tokenizer checkpoint directory or hub id (required to export a checkpoint)"),
@@ -148,6 +151,7 @@ class LoadConfig:
     verify: str | None = None
     load_timeout: float = 1800.0
     default_voice: str | None = None
+    reference_dir: str | None = None
     codec: str | None = None
     tokenizer: str | None = None
     dtype: str = "fp32"

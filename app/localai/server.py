@@ -559,7 +559,8 @@ class MossTTSBackend(pb_grpc.BackendServicer):
         if not key or key.lower() in (DEFAULT_VOICE, *OPENAI_VOICES):
             return None
         if service.voices.find(key) is None:
-            path = self._voice_file(loaded, key)
+            # a caller's file is confined to the model and voices directories; the operator's default is not
+            path = self._voice_file(loaded, key) if requested.strip() else self._configured_voice_file(loaded, key)
             if path is not None:
                 return self._voice_from_file(service, path)
         try:
@@ -568,12 +569,42 @@ class MossTTSBackend(pb_grpc.BackendServicer):
             if e.code == "voice_not_found":
                 raise _Abort(grpc.StatusCode.INVALID_ARGUMENT,
                              f"unknown voice {key!r}: not a voice registered in {service.voices.dir} and not a "
-                             "reference audio file; use '' or 'default' (the model's own voice), a registered "
-                             "voice's name or id, or the path of a reference audio file") from None
+                             "reference audio file in the model or voices directory; use '' or 'default' (the "
+                             "model's own voice), a registered voice's name or id, or the path of a reference "
+                             "audio file there") from None
             raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, f"voice {key!r}: {e.message}") from None
 
     @staticmethod
     def _voice_file(loaded: _Loaded, key: str) -> Path | None:
+        """The reference file a request names, relative to or inside the model directory (ModelPath, and
+        the bundle's), the voices directory or the ``reference_dir`` option's, after resolving ``..`` and every symlink — as LocalAI confines
+        its own model paths. None for anything else, whether or not it exists: the caller's error never tells
+        an existing file from a missing one, and no file outside is ever opened."""
+        roots = []
+        for d in (loaded.config.model_path, loaded.bundle_dir, loaded.service.voices.dir, loaded.config.reference_dir):
+            if not d:
+                continue
+            try:
+                roots.append(Path(d).resolve(strict=True))
+            except (OSError, RuntimeError, ValueError):
+                continue
+        try:
+            path = Path(key)
+            if ".." in path.parts:
+                return None
+            candidates = [path] if path.is_absolute() else [root / path for root in roots]
+            for candidate in candidates:
+                real = candidate.resolve()
+                if any(real.is_relative_to(root) for root in roots) and real.is_file():
+                    return real
+        except (OSError, RuntimeError, ValueError):    # a NUL in the name, a symlink loop
+            return None
+        return None
+
+    @staticmethod
+    def _configured_voice_file(loaded: _Loaded, key: str) -> Path | None:
+        """The default voice of the model's configuration (ModelOptions.AudioPath, option ``voice``): the
+        operator's, so any path, relative ones from the model directory first."""
         path = Path(key).expanduser()
         candidates = [path]
         if not path.is_absolute() and loaded.config.model_path:

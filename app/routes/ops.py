@@ -22,16 +22,20 @@ async def health():
 
 @router.get("/ready")
 async def ready(request: Request):
-    """200 once the bundle is loaded and warmed up; 503 while loading, after a load failure and while draining."""
+    """200 once the bundle is loaded and warmed up; 503 while loading, after a load failure, while draining and
+    once the engine is broken."""
     service: TTSService = request.app.state.service
-    body = {"status": service.state, "bundle": str(service.bundle.dir), "demo": service.bundle.is_demo,
+    state = service.health_state
+    body = {"status": state, "bundle": str(service.bundle.dir), "demo": service.bundle.is_demo,
             "device": service.bundle.device}
-    if service.state == "failed":
+    if state == "failed":
         body["error"] = service.error
+    if state == "broken":
+        body["error"] = service.scheduler.broken
     if service.scheduler is not None:
         s = service.scheduler.stats()
         body["streams"] = {"capacity": s.capacity, "active": s.active, "queued": s.queued}
-    return JSONResponse(body, status_code=200 if service.state == "ready" else 503)
+    return JSONResponse(body, status_code=200 if state == "ready" else 503)
 
 
 @router.get("/metrics", response_class=PlainTextResponse,
@@ -40,7 +44,7 @@ async def ready(request: Request):
 async def metrics(request: Request):
     service: TTSService = request.app.state.service
     m = request.app.state.metrics
-    m.ready.set(1 if service.state == "ready" else 0)
+    m.ready.set(1 if service.health_state == "ready" else 0)
     scheduler = service.scheduler
     stats = scheduler.stats() if scheduler is not None else None
     prefix = scheduler.prefix_cache.stats if scheduler is not None and scheduler.prefix_cache is not None else None
