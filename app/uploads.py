@@ -18,7 +18,7 @@ from engine.voices import read_reference_audio
 
 def decode_upload(data: bytes, limits: Limits, what: str = "audio_sample", user_audio: bool = False) \
         -> tuple[np.ndarray, int]:
-    """Mono-or-multichannel float32 samples and their rate, after the limit checks."""
+    """Mono float32 samples and their rate, after the limit checks (duration, rate, decoded size)."""
     if not data:
         raise InputError(f"{what} is empty")
     try:
@@ -28,7 +28,10 @@ def decode_upload(data: bytes, limits: Limits, what: str = "audio_sample", user_
 
 
 def _decode_with_av(data: bytes, limits: Limits, what: str, user_audio: bool) -> tuple[np.ndarray, int]:
+    """Frame by frame, each mixed to mono at once; the decoded size (channels x frames) is checked from the
+    container's header and counted as it decodes, so a file of many channels never costs more than a frame."""
     limit = limits.max_user_audio_seconds if user_audio else limits.max_voice_seconds
+    max_decoded = limits.max_decoded_samples(user_audio)
     try:
         with av.open(io.BytesIO(data), mode="r") as container:
             streams = container.streams.audio
@@ -37,10 +40,17 @@ def _decode_with_av(data: bytes, limits: Limits, what: str, user_audio: bool) ->
             stream = streams[0]
             rate = int(stream.codec_context.sample_rate or 0)
             limits.check_sample_rate(rate, what)
+            channels = int(stream.codec_context.channels or 1)
             if container.duration is not None:
-                limits.check_audio_seconds(container.duration / av.time_base, what, user_audio=user_audio)
-            parts, total = [], 0
+                seconds = container.duration / av.time_base
+                limits.check_audio_seconds(seconds, what, user_audio=user_audio)
+                limits.check_decoded_samples(channels, int(seconds * rate), what, user_audio=user_audio)
+            parts, total, decoded = [], 0, 0
             for frame in container.decode(stream):
+                frame_channels = len(frame.layout.channels)
+                decoded += frame.samples * frame_channels
+                if decoded > max_decoded:         # a header without a duration, or one that lied
+                    limits.check_decoded_samples(frame_channels, decoded // frame_channels, what, user_audio=user_audio)
                 chunk = frame.to_ndarray()                     # [channels, samples] (planar) or [1, samples*ch]
                 if frame.format.is_planar:
                     mono = chunk.astype(np.float32).mean(axis=0)

@@ -63,6 +63,19 @@ class Limits:
         if seconds < self.min_audio_seconds:
             raise InputError(f"{what} is {seconds:.2f} s long; at least {self.min_audio_seconds:g} s is needed")
 
+    def max_decoded_samples(self, user_audio: bool = False) -> int:
+        """Samples (channels x frames) an audio file may decode to: those of the longest mono file at the
+        highest rate allowed, so a file of many channels (a decompression bomb) is refused from its header."""
+        seconds = self.max_user_audio_seconds if user_audio else self.max_voice_seconds
+        return int(seconds * self.max_sample_rate)
+
+    def check_decoded_samples(self, channels: int, frames: int, what: str = "voice reference",
+                              user_audio: bool = False) -> None:
+        limit = self.max_decoded_samples(user_audio)
+        if channels < 1 or channels * frames > limit:
+            raise InputError(f"{what} has {channels} channels of {frames} frames: {channels * frames} samples to "
+                             f"decode; the limit is {limit} (mix it down to mono or stereo)")
+
     def check_sample_rate(self, sample_rate: int, what: str = "voice reference") -> None:
         if not isinstance(sample_rate, int) or not self.min_sample_rate <= sample_rate <= self.max_sample_rate:
             raise InputError(f"{what} has sample rate {sample_rate!r} Hz; supported: {self.min_sample_rate}.."

@@ -35,23 +35,39 @@ def _info(source: Source, what: str) -> sf._SoundFileInfo:
         raise UnreadableAudioError(f"{what}: {name} is not a readable audio file ({str(e)[:200]})") from None
 
 
+DECODE_BLOCK_SAMPLES = 1 << 20    # samples (all channels) decoded at a time: 4 MiB of float32
+
+
 def read_reference_audio(source: Source, limits: Limits, what: str = "voice reference",
                          user_audio: bool = False) -> tuple[np.ndarray, int]:
-    """Read reference audio (a path or the file's bytes) as float32 samples and its rate, after checking
-    its duration and sample rate from the header against ``limits``."""
+    """Read reference audio (a path or the file's bytes) as mono float32 samples (channels averaged, as
+    the codec does) and its rate, after checking its duration, sample rate and decoded size (channels x
+    frames) from the header against ``limits``. Decodes in blocks of at most ``DECODE_BLOCK_SAMPLES``,
+    mixing each to mono, so memory is the mono result plus one block, whatever the channel count."""
     info = _info(source, what)
-    limits.check_sample_rate(int(info.samplerate), what)
+    rate = int(info.samplerate)
+    limits.check_sample_rate(rate, what)
     if info.frames <= 0:
         raise InputError(f"{what}: the audio file holds no samples")
-    limits.check_audio_seconds(info.frames / info.samplerate, what, user_audio=user_audio)
+    limits.check_audio_seconds(info.frames / rate, what, user_audio=user_audio)
+    limits.check_decoded_samples(info.channels, info.frames, what, user_audio=user_audio)
+    mono = np.empty(info.frames, np.float32)
+    buffer = np.empty((max(1, DECODE_BLOCK_SAMPLES // info.channels), info.channels), np.float32)
+    n = 0
     try:
-        wav, sr = sf.read(io.BytesIO(source) if isinstance(source, bytes) else str(source), dtype="float32",
-                          always_2d=False)
+        with sf.SoundFile(io.BytesIO(source) if isinstance(source, bytes) else str(source)) as f:
+            for block in f.blocks(out=buffer):      # views of ``buffer``: no copy per block
+                if n + len(block) > mono.size:      # the header lied: never decode more than it declared
+                    raise InputError(f"{what}: the audio holds more samples than its header declares")
+                np.mean(block, axis=1, out=mono[n:n + len(block)])
+                n += len(block)
+    except InputError:
+        raise
     except Exception as e:
         raise InputError(f"{what}: the audio could not be decoded ({str(e)[:200]})") from None
-    if wav.size == 0:
+    if n == 0:
         raise InputError(f"{what}: the audio file holds no samples")
-    return wav, int(sr)
+    return mono[:n], rate
 
 
 def resolve_voice(model, limits: Limits, wav: tuple[np.ndarray, int] | None = None, codes=None,

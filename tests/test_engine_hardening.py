@@ -391,3 +391,119 @@ def test_ready_reports_a_broken_engine(full_bundle_dir, tmp_path):
         r = client.post("/v1/audio/speech", json={"model": "tts-1", "input": "Hello.", "voice": "alloy"})
         assert r.status_code == 503 and r.json()["error"]["code"] == "engine_broken", r.text
         b.close()
+
+
+# ---------------------------------------------------------------------------------------------- item 4
+import base64  # noqa: E402
+import tracemalloc  # noqa: E402
+
+import soundfile as sf  # noqa: E402
+
+
+def silence_file(path, channels: int, rate: int, seconds: float, fmt: str, subtype: str) -> bytes:
+    """Silence written second by second (the writer never holds the whole decoded signal)."""
+    block = np.zeros((rate, channels), np.float32)
+    with sf.SoundFile(path, "w", samplerate=rate, channels=channels, format=fmt, subtype=subtype) as f:
+        for _ in range(int(seconds)):
+            f.write(block)
+    return path.read_bytes()
+
+
+@pytest.fixture(scope="module")
+def bombs(tmp_path_factory) -> dict[str, bytes]:
+    """The issue's decompression bombs: 29 s x 255 channels of Ogg Vorbis (~33 KB, 59 M samples) and 25 s x
+    8 channels of 384 kHz FLAC (~80 KB, 77 M samples)."""
+    tmp = tmp_path_factory.mktemp("bombs")
+    return {"ogg": silence_file(tmp / "bomb.ogg", 255, 8000, 29, "OGG", "VORBIS"),
+            "flac": silence_file(tmp / "bomb.flac", 8, 384000, 25, "FLAC", "PCM_16")}
+
+
+@pytest.mark.parametrize("kind", ["ogg", "flac"])
+def test_decompression_bombs_are_refused_from_their_header(bombs, kind):
+    from engine.errors import InputError
+    from engine.limits import Limits
+
+    from app.uploads import decode_upload
+
+    tracemalloc.start()
+    try:
+        for user_audio in (False, True):
+            with pytest.raises(InputError, match="samples to decode; the limit is"):
+                decode_upload(bombs[kind], Limits(), "audio_sample", user_audio)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 16 * 2**20, peak
+
+
+def test_multichannel_audio_is_decoded_in_blocks_and_mixed_as_it_goes(tmp_path):
+    """A 6-channel file within the limits decodes to mono (the codec's channel average), holding the mono
+    result and one block at a time, never every channel of the whole file."""
+    from engine.limits import Limits
+
+    from app.uploads import decode_upload
+
+    rng = np.random.default_rng(0)
+    wav = (0.1 * rng.standard_normal((48000 * 20, 6))).astype(np.float32)
+    sf.write(tmp_path / "six.wav", wav, 48000, subtype="FLOAT")
+    data = (tmp_path / "six.wav").read_bytes()
+    del wav
+    expect = sf.read(tmp_path / "six.wav", dtype="float32")[0].mean(axis=1)
+    tracemalloc.start()
+    try:
+        got, rate = decode_upload(data, Limits())
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert rate == 48000 and got.shape == expect.shape and np.array_equal(got, expect)
+    all_channels = 48000 * 20 * 6 * 4
+    assert peak < got.nbytes + 8 * 2**20 < all_channels, (peak, all_channels)   # mono + two 4 MiB blocks
+
+
+def rss_kib(pid: int, field: str) -> int:
+    for line in open(f"/proc/{pid}/status"):
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise AssertionError(field)
+
+
+BOMB_RSS_BOUND_MIB = 100
+
+
+def test_four_concurrent_bombs_keep_the_server_within_its_memory_bound(bounded_server, bombs):
+    """Four voice uploads and four WebSocket input.user messages of each bomb at once: every one refused
+    with a 400 / recoverable error, and the server's peak RSS (VmHWM, reset first) stays within
+    BOMB_RSS_BOUND_MIB of its RSS before."""
+    import websockets
+
+    s = bounded_server
+    pid = s.proc.pid
+    with open(f"/proc/{pid}/clear_refs", "w") as f:
+        f.write("5")                                        # VmHWM := current RSS
+    before = rss_kib(pid, "VmRSS")
+
+    async def upload(client, kind: str, i: int):
+        return await client.post(s.base + "/v1/audio/voices", data={"name": f"bomb-{kind}-{i}"},
+                                 files={"audio_sample": (f"bomb.{kind}", bombs[kind], "application/octet-stream")})
+
+    async def user_audio(kind: str):
+        async with websockets.connect(s.base.replace("http", "ws") + WS_PATH, max_size=None) as w:
+            await next_json(w)
+            await w.send(json.dumps({"type": "input.user", "audio": base64.b64encode(bombs[kind]).decode()}))
+            return await next_json(w, timeout=60)
+
+    async def run():
+        async with httpx.AsyncClient(timeout=60) as client:
+            return await asyncio.gather(*[upload(client, k, i) for k in bombs for i in range(4)],
+                                        *[user_audio(k) for k in bombs for _ in range(4)])
+
+    results = asyncio.run(run())
+    peak = rss_kib(pid, "VmHWM")
+    grew_mib = (peak - before) / 1024
+    print(f"server RSS before {before / 1024:.0f} MiB, peak during 16 bombs {peak / 1024:.0f} MiB "
+          f"(+{grew_mib:.1f} MiB)")
+    for r in results[:8]:
+        assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_audio", r.text
+    for msg in results[8:]:
+        assert msg["type"] == "error" and not msg["fatal"] and "samples to decode" in msg["error"]["message"], msg
+    assert grew_mib < BOMB_RSS_BOUND_MIB
