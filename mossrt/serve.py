@@ -39,7 +39,8 @@ def open_bundle(settings):
     from engine.bundle import Bundle
 
     directory = settings.bundle or ensure_demo_bundle()
-    bundle = Bundle(directory, device=settings.device, threads=settings.threads or None)
+    # a provider that cannot run the bundle is reported by /ready (503, with the reason), not a failed start
+    bundle = Bundle(directory, device=settings.device, threads=settings.threads or None, defer_refusal=True)
     if settings.verify == "full":
         progress(f"verifying {len(bundle.info.files)} files of {directory} (sha256)")
         bundle.verify()

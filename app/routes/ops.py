@@ -25,7 +25,7 @@ async def ready(request: Request):
     """200 once the bundle is loaded and warmed up; 503 while loading, after a load failure and while draining."""
     service: TTSService = request.app.state.service
     body = {"status": service.state, "bundle": str(service.bundle.dir), "demo": service.bundle.is_demo,
-            "device": service.bundle.device}
+            "device": service.bundle.device, "device_reason": service.bundle.device_reason}
     if service.state == "failed":
         body["error"] = service.error
     if service.scheduler is not None:
