@@ -91,7 +91,6 @@ class Bundle:
                 self.refusal = self.device_reason = f"{self.dir}: {e}"
                 if not defer_refusal:
                     raise BundleError(self.refusal) from None
-                log.error("%s", self.refusal)
             else:
                 self.providers, self.device, self.device_reason = choice.providers, choice.device, choice.reason
                 log.info("device %s: %s", self.device, self.device_reason)

@@ -61,9 +61,11 @@ def cmd_serve(args) -> None:
         settings = settings.model_copy(update={"bundle": Path(bundle.dir)})
     configure_logging(settings)
     app = create_app(settings, bundle)
-    logging.getLogger("mossrt.app").info("listening on http://%s:%d (%s bundle %s, device %s)", settings.host,
-                                         settings.port, "demo" if bundle.is_demo else "model", bundle.dir,
-                                         bundle.device)
+    log = logging.getLogger("mossrt.app")
+    if bundle.refusal:
+        log.error("the bundle cannot be served on the requested device (/ready says so): %s", bundle.refusal)
+    log.info("listening on http://%s:%d (%s bundle %s, device %s: %s)", settings.host, settings.port,
+             "demo" if bundle.is_demo else "model", bundle.dir, bundle.device, bundle.device_reason)
     # uvicorn turns SIGTERM into a graceful shutdown (the app drains its streams), then raises the signal
     # again for the previous handler: make that one a no-op so a drained server exits with status 0
     signal.signal(signal.SIGTERM, lambda *_: None)

@@ -245,5 +245,17 @@ def test_serve_reports_the_refusal_on_ready(tmp_path, full_bundle_dir):
         assert r.status_code == 503 and body["status"] == "failed", (body, server.log())
         assert "export with --compute-dtype bf16 (or fp16) for CUDA" in body["error"]
         assert "GroupQueryAttention" in body["device_reason"] and body["device"] == "none"
+        assert "cannot be served on the requested device" in server.log()
     finally:
         assert server.stop() == 0, server.log()
+
+
+def test_serve_auto_says_what_it_picked(tmp_path, full_bundle_dir):
+    """``--device auto`` here (no CUDA provider): CPU, with the reason in the log and in /ready."""
+    if "CUDAExecutionProvider" in ort.get_available_providers():
+        pytest.skip("this check is for a machine without the CUDA provider")
+    with Server(full_bundle_dir, tmp_path / "voices", tmp_path / "serve.log", "--device", "auto") as server:
+        body = httpx.get(server.base + "/ready", timeout=10).json()
+        reason = "auto: cpu, because onnxruntime has no CUDA provider here"
+        assert body["device"] == "cpu" and body["device_reason"] == reason, body
+        assert f"device cpu: {reason}" in server.log()
