@@ -18,7 +18,7 @@ from pathlib import Path
 import onnx
 from onnx import TensorProto
 
-from .kernel_table import Signature, kernel_table, op_key, signature
+from .kernel_table import KernelTable, OpKernels, Signature, kernel_table, op_key, signature
 
 NO_KERNEL = "no kernel"
 HOST_COPY = "device→host copy inside a step"
@@ -53,43 +53,86 @@ def _load(model) -> onnx.ModelProto:
     return onnx.load(str(model), load_external_data=False)
 
 
-def _bind(sig: Signature, names: list[str], types: dict[str, str], outputs: bool = False) -> dict[str, str]:
-    """Constraint → element type of the node's actual tensors (first binding wins)."""
-    formals = sig.outputs if outputs else sig.inputs
+def _formal(formals, i: int):
+    """The formal parameter of position ``i`` (the last one repeats when it is variadic)."""
+    if i < len(formals):
+        return formals[i]
+    return formals[-1] if formals and formals[-1].variadic else None
+
+
+def _bind(formals, names, types: dict[str, str]) -> dict[str, str]:
+    """Type constraint → the element type of the node's tensor in that position (the first one wins)."""
     bound: dict[str, str] = {}
     for i, name in enumerate(names):
-        if not name or not formals:
-            continue
-        f = formals[min(i, len(formals) - 1)] if (i < len(formals) or formals[-1].variadic) else None
-        if f is None or f.type.startswith("tensor(") or name not in types:
-            continue
-        bound.setdefault(f.type, types[name])
+        f = _formal(formals, i)
+        if name and f is not None and not f.type.startswith("tensor(") and name in types:
+            bound.setdefault(f.type, types[name])
     return bound
 
 
-def _output_types(node, sig: Signature | None, bound: dict[str, str]) -> list[str | None]:
+def _output_type(node, sig: Signature | None, bound: dict[str, str], i: int) -> str | None:
     if node.op_type == "Cast":
-        return [_elem(next(a.i for a in node.attribute if a.name == "to"))]
+        return _elem(next(a.i for a in node.attribute if a.name == "to"))
     if node.op_type == "ConstantOfShape":
         value = next((a.t for a in node.attribute if a.name == "value"), None)
-        return [_elem(value.data_type) if value is not None else "float"]
-    if sig is None:
-        return [None] * len(node.output)
-    out = []
-    for i in range(len(node.output)):
-        if not sig.outputs or (i >= len(sig.outputs) and not sig.outputs[-1].variadic):
-            out.append(None)
-            continue
-        f = sig.outputs[min(i, len(sig.outputs) - 1)]
-        if f.type.startswith("tensor("):
-            out.append(f.type[len("tensor("):-1])
-        elif f.type in bound:
-            out.append(bound[f.type])
-        elif len(sig.allowed.get(f.type, ())) == 1:
-            out.append(next(iter(sig.allowed[f.type])))
-        else:
-            out.append(None)
-    return out
+        return _elem(value.data_type) if value is not None else "float"
+    f = _formal(sig.outputs, i) if sig is not None else None
+    if f is None:
+        return None
+    if f.type.startswith("tensor("):
+        return f.type[len("tensor("):-1]
+    if f.type in bound:
+        return bound[f.type]
+    allowed = sig.allowed.get(f.type, ())
+    return next(iter(allowed)) if len(allowed) == 1 else None
+
+
+class _Walk:
+    """Element types and host-known values of a graph, node by node in (topological) order.
+
+    A value is *static* when it is known without reading device data: an initializer, a Constant, a Shape
+    or Size output, or anything computed from static values only."""
+
+    def __init__(self, g):
+        self.types: dict[str, str] = {vi.name: _elem(vi.type.tensor_type.elem_type)
+                                      for vi in [*g.input, *g.value_info, *g.output] if vi.type.tensor_type.elem_type}
+        self.types.update({init.name: _elem(init.data_type) for init in g.initializer})
+        self.static = {init.name for init in g.initializer}
+        self.graph_inputs = {i.name for i in g.input} - self.static
+        self.producer: dict[str, onnx.NodeProto] = {}
+
+    def visit(self, node, sig: Signature | None) -> dict[str, str]:
+        """Record the node's outputs; returns its constraint bindings (inputs and outputs)."""
+        for name in node.output:
+            self.producer[name] = node
+        if node.op_type == "Constant":
+            value = next((a.t for a in node.attribute if a.name == "value"), None)
+            self.types[node.output[0]] = _elem(value.data_type) if value is not None else "?"
+            self.static.add(node.output[0])
+            return {}
+        bound = _bind(sig.inputs, node.input, self.types) if sig else {}
+        for i, name in enumerate(node.output):
+            t = _output_type(node, sig, bound, i)
+            if name and t:
+                self.types.setdefault(name, t)
+        inputs = [x for x in node.input if x]
+        if node.op_type in ("Shape", "Size") or (inputs and all(x in self.static for x in inputs)):
+            self.static.update(x for x in node.output if x)
+        return {**(_bind(sig.outputs, node.output, self.types) if sig else {}), **bound}
+
+    def from_device_data(self, value: str) -> bool:
+        """True when a host-read input would need device data (not static, not fed by the host directly)."""
+        return value not in self.static and value not in self.graph_inputs
+
+    def origin(self, value: str):
+        """The node that first turns tensor data into ``value`` (skipping casts, unsqueezes, +constant ...)."""
+        node = self.producer[value]
+        while node.op_type in _PASS_THROUGH:
+            data = [x for x in node.input if x and x not in self.static]
+            if len(data) != 1 or data[0] not in self.producer:
+                break
+            node = self.producer[data[0]]
+        return node
 
 
 def unplaced(model, provider: str, graph: str = "") -> list[Finding]:
@@ -98,90 +141,58 @@ def unplaced(model, provider: str, graph: str = "") -> list[Finding]:
     m = _load(model)
     table = kernel_table(provider)
     opsets = {(o.domain or "ai.onnx"): o.version for o in m.opset_import}
-    g = m.graph
-    types: dict[str, str] = {}
-    for vi in [*g.input, *g.value_info, *g.output]:
-        if vi.type.tensor_type.elem_type:
-            types[vi.name] = _elem(vi.type.tensor_type.elem_type)
-    static: set[str] = set()                       # values known without reading device data
-    for init in g.initializer:
-        types[init.name] = _elem(init.data_type)
-        static.add(init.name)
-    graph_inputs = {i.name for i in g.input} - static
-    producer = {}
+    walk = _Walk(m.graph)
     findings: list[Finding] = []
-    for node in g.node:
+    for node in m.graph.node:
         key = op_key(node.op_type, node.domain)
         opset = opsets.get(node.domain or "ai.onnx", 1)
         sig = signature(key, opset)
+        bound = walk.visit(node, sig)
         if node.op_type == "Constant":
-            value = next((a.t for a in node.attribute if a.name == "value"), None)
-            types[node.output[0]] = _elem(value.data_type) if value is not None else "?"
-            static.add(node.output[0])
             continue
-        bound = _bind(sig, list(node.input), types) if sig else {}
-        for name, t in zip(node.output, _output_types(node, sig, bound)):
-            if name and t:
-                types.setdefault(name, t)
-        for name in node.output:
-            producer[name] = node
-        inputs = [x for x in node.input if x]
-        if node.op_type in ("Shape", "Size") or (inputs and all(x in static for x in inputs)):
-            static.update(x for x in node.output if x)
-        in_types = tuple((types.get(x, "?") if x else "") for x in node.input)
+        in_types = tuple((walk.types.get(x, "?") if x else "") for x in node.input)
         module = node.name.rsplit("/", 1)[0] if "/" in node.name else ""
 
-        def finding(kind, why):
+        def finding(kind: str, why: str) -> None:
             findings.append(Finding(node.name, node.op_type, module, kind, in_types, why, graph))
 
         entry = table.ops.get(key)
         if entry is None:
             finding(NO_KERNEL, f"{key} is not in the {provider} kernel table ({table.package} {table.version})")
             continue
-        why = _kernel_mismatch(entry, sig, opset, bound, node, types, in_types, table)
+        why = _kernel_mismatch(table, entry, sig, opset, bound, in_types)
         if why:
             finding(NO_KERNEL, why)
         if table.device and sig is not None:
             for i in sorted(entry.host_inputs):
-                if i < len(node.input) and node.input[i] and node.input[i] not in static \
-                        and node.input[i] not in graph_inputs:
-                    formal = sig.inputs[min(i, len(sig.inputs) - 1)].name if sig.inputs else str(i)
-                    origin = _origin(node.input[i], producer, static)
-                    finding(HOST_COPY, f"input {i} ({formal}) is read on the host but computed from tensor data on "
-                                       f"the device, by {origin.name} ({origin.op_type}); feed it from a graph input "
-                                       "or derive it from shapes")
+                if i < len(node.input) and node.input[i] and walk.from_device_data(node.input[i]):
+                    formal = _formal(sig.inputs, i)
+                    origin = walk.origin(node.input[i])
+                    finding(HOST_COPY, f"input {i} ({formal.name if formal else '?'}) is read on the host but "
+                                       f"computed from tensor data on the device, by {origin.name} "
+                                       f"({origin.op_type}); feed it from a graph input or derive it from shapes")
     return findings
 
 
-def _kernel_mismatch(entry, sig, opset, bound, node, types, in_types, table) -> str | None:
-    """Why no kernel of ``entry`` runs this node (None when one does)."""
+def _kernel_mismatch(table: KernelTable, entry: OpKernels, sig: Signature | None, opset: int,
+                     bound: dict[str, str], in_types: tuple[str, ...]) -> str | None:
+    """Why no kernel of ``entry`` runs a node with these bindings (None when one does)."""
     if sig is None or "?" in in_types:
         return "the element types of its inputs cannot be worked out"
     in_range = [k for k in entry.kernels if k.covers(opset)]
     if not in_range:
         return f"{table.ep} has no kernel for opset {opset}"
-    bound = {**_bind(sig, list(node.output), types, outputs=True), **bound}
 
     def runs(binding):
         return any(all(t in k.types.get(c, (t,)) for c, t in binding.items()) for k in in_range)
 
-    if runs(bound) or (table.float16_via_float and runs({c: "float" if t == "float16" else t for c, t in bound.items()})):
+    as_float = {c: "float" if t == "float16" else t for c, t in bound.items()}
+    if runs(bound) or (table.float16_via_float and runs(as_float)):
         return None
     wanted = ", ".join(f"{c}={t}" for c, t in sorted(bound.items()))
     offered = " or ".join(", ".join(f"{c} in {{{', '.join(sorted(v))}}}" for c, v in sorted(k.types.items()))
                           for k in in_range)
     return f"{table.ep} ({table.package} {table.version}) has no kernel for {wanted}; it offers {offered}"
-
-
-def _origin(value: str, producer: dict, static: set[str]):
-    """The node that first turns tensor data into ``value`` (skipping casts, unsqueezes, +constant ...)."""
-    node = producer[value]
-    while node.op_type in _PASS_THROUGH:
-        data = [x for x in node.input if x and x not in static]
-        if len(data) != 1 or data[0] not in producer:
-            break
-        node = producer[data[0]]
-    return node
 
 
 def bundle_unplaced(graphs: dict[str, Path], provider: str) -> list[Finding]:
