@@ -179,6 +179,8 @@ def _kernel_mismatch(table: KernelTable, entry: OpKernels, sig: Signature | None
     """Why no kernel of ``entry`` runs a node with these bindings (None when one does)."""
     if sig is None or "?" in in_types:
         return "the element types of its inputs cannot be worked out"
+    if not entry.kernels:
+        return f"{table.ep} ({table.package} {table.version}) has no kernel for this op"
     in_range = [k for k in entry.kernels if k.covers(opset)]
     if not in_range:
         return f"{table.ep} has no kernel for opset {opset}"

@@ -177,6 +177,19 @@ def _one_op(op, elem, domain="", **attrs):
     return helper.make_model(g, opset_imports=[helper.make_opsetid("", 18)])
 
 
+def test_ops_outside_the_tables_are_findings():
+    """An op the tables do not list is reported, never assumed to run; so is one with no kernel at all."""
+    [f] = unplaced(_one_op("MatMulInteger", TensorProto.INT8), "cuda")
+    assert f.kind == NO_KERNEL and "MatMulInteger@ai.onnx is not in the cuda kernel table" in f.why
+    x = helper.make_tensor_value_info("q", TensorProto.FLOAT16, None)
+    n = helper.make_node("PagedAttention", ["q"], ["o"], name="attn/PagedAttention_1", domain="com.microsoft")
+    g = helper.make_graph([n], "g", [x], [helper.make_value_info("o", onnx.TypeProto())])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid("com.microsoft", 1)])
+    assert unplaced(m, "cuda") == []
+    [f] = unplaced(m, "cpu")
+    assert "has no kernel for this op" in f.why
+
+
 def test_bf16_runs_on_cuda_only():
     bf16 = _one_op("MatMul", TensorProto.BFLOAT16)
     assert unplaced(bf16, "cuda") == []
