@@ -24,15 +24,6 @@ log = logging.getLogger("mossrt.engine")
 _PLACEMENT_CACHE: dict[tuple[str, str, str], list[Finding]] = {}
 
 
-def resolve_providers(device: str = "auto", check=lambda provider: []) -> list[str]:
-    """``cpu``, ``cuda`` or ``auto`` → onnxruntime providers; ``check(provider)`` is a bundle's placement
-    check (see :func:`engine.placement.choose_device`: a refusal is a BundleError, never a fallback)."""
-    try:
-        return choose_device(device, ort.get_available_providers(), check).providers
-    except PlacementRefused as e:
-        raise BundleError(str(e)) from None
-
-
 def threads_setting(threads: int | None) -> int:
     """Intra-op threads: the argument, else ``MOSSRT_THREADS``, else 0 (= all cores); checked either way."""
     if threads is None:
@@ -85,18 +76,23 @@ class Bundle:
         self.device_reason = "opened without a device"
         self.refusal: str | None = None
         if device is not None:
-            try:
-                choice: DeviceChoice = choose_device(device, ort.get_available_providers(), self.unplaced)
-            except PlacementRefused as e:
-                self.refusal = self.device_reason = f"{self.dir}: {e}"
-                if not defer_refusal:
-                    raise BundleError(self.refusal) from None
-            else:
-                self.providers, self.device, self.device_reason = choice.providers, choice.device, choice.reason
-                log.info("device %s: %s", self.device, self.device_reason)
+            self._place(device, defer_refusal)
         self.threads = threads_setting(threads)
         self._sessions: dict[str, ort.InferenceSession] = {}
         self._lock = threading.Lock()
+
+    def _place(self, device: str, defer_refusal: bool) -> None:
+        """Choose the provider from the placement check (engine.placement.choose_device); a refusal raises or,
+        deferred, is kept for :meth:`session` to raise."""
+        try:
+            choice: DeviceChoice = choose_device(device, ort.get_available_providers(), self.unplaced)
+        except PlacementRefused as e:
+            self.refusal = self.device_reason = f"{self.dir}: {e}"
+            if not defer_refusal:
+                raise BundleError(self.refusal) from None
+            return
+        self.providers, self.device, self.device_reason = choice.providers, choice.device, choice.reason
+        log.info("device %s: %s", self.device, self.device_reason)
 
     @property
     def is_demo(self) -> bool:
@@ -175,4 +171,4 @@ class Bundle:
         return sorted(self.info.files)
 
 
-__all__ = ["Bundle", "FORMAT_VERSION", "resolve_providers", "sha256_file", "threads_setting"]
+__all__ = ["Bundle", "FORMAT_VERSION", "sha256_file", "threads_setting"]
