@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import threading
 from pathlib import Path
@@ -16,22 +17,11 @@ import onnxruntime as ort
 
 from .errors import BundleError
 from .manifest import FORMAT_VERSION, Manifest, parse_manifest, sha256_file
+from .placement import DeviceChoice, Finding, PlacementRefused, bundle_unplaced, choose_device
 
-PROVIDERS = {"cpu": ["CPUExecutionProvider"], "cuda": ["CUDAExecutionProvider", "CPUExecutionProvider"]}
 MAX_THREADS = 256
-
-
-def resolve_providers(device: str = "auto") -> list[str]:
-    """``cpu``, ``cuda`` (fails if onnxruntime has no CUDA provider) or ``auto`` (CUDA when available)."""
-    available = ort.get_available_providers()
-    if device == "auto":
-        device = "cuda" if "CUDAExecutionProvider" in available else "cpu"
-    if device not in PROVIDERS:
-        raise BundleError(f"unknown device {device!r}: use cpu, cuda or auto")
-    if PROVIDERS[device][0] not in available:
-        raise BundleError(f"device {device!r} requested but onnxruntime offers only {available} "
-                          "(install the 'cuda' extra: onnxruntime-gpu)")
-    return PROVIDERS[device]
+log = logging.getLogger("mossrt.engine")
+_PLACEMENT_CACHE: dict[tuple[str, str, str], list[Finding]] = {}
 
 
 def threads_setting(threads: int | None) -> int:
@@ -54,8 +44,11 @@ class Bundle:
     :meth:`verify` checks every sha256 (reads every byte).
     """
 
-    def __init__(self, directory: str | Path, device: str = "auto", threads: int | None = None,
-                 profile_dir: str | Path | None = None):
+    def __init__(self, directory: str | Path, device: str | None = "auto", threads: int | None = None,
+                 profile_dir: str | Path | None = None, defer_refusal: bool = False):
+        """``device``: ``auto``, ``cpu`` or ``cuda``, checked against the graphs' kernels before onnxruntime is
+        asked (a refusal is a BundleError; with ``defer_refusal`` it is kept in :attr:`refusal` and raised by
+        :meth:`session`, so a server can report it); ``None`` opens the files only (no sessions)."""
         self.dir = Path(directory)
         self.profile_dir = Path(profile_dir) if profile_dir is not None else None
         path = self.dir / "manifest.json"
@@ -78,11 +71,28 @@ class Bundle:
             for fname in (graph.file, graph.data):
                 if fname is not None and fname not in self.info.files:
                     raise BundleError(f"{path}: graph {gname!r} names {fname!r}, which the manifest's files do not list")
-        self.providers = resolve_providers(device)
-        self.device = "cuda" if self.providers[0].startswith("CUDA") else "cpu"
+        self.providers: list[str] = []
+        self.device = "none"
+        self.device_reason = "opened without a device"
+        self.refusal: str | None = None
+        if device is not None:
+            self._place(device, defer_refusal)
         self.threads = threads_setting(threads)
         self._sessions: dict[str, ort.InferenceSession] = {}
         self._lock = threading.Lock()
+
+    def _place(self, device: str, defer_refusal: bool) -> None:
+        """Choose the provider from the placement check (engine.placement.choose_device); a refusal raises or,
+        deferred, is kept for :meth:`session` to raise."""
+        try:
+            choice: DeviceChoice = choose_device(device, ort.get_available_providers(), self.unplaced)
+        except PlacementRefused as e:
+            self.refusal = self.device_reason = f"{self.dir}: {e}"
+            if not defer_refusal:
+                raise BundleError(self.refusal) from None
+            return
+        self.providers, self.device, self.device_reason = choice.providers, choice.device, choice.reason
+        log.info("device %s: %s", self.device, self.device_reason)
 
     @property
     def is_demo(self) -> bool:
@@ -93,6 +103,22 @@ class Bundle:
         """A short id of this bundle's content (hash of the file checksums): caches keyed by it never mix bundles."""
         digest = hashlib.sha256(json.dumps({k: v.sha256 for k, v in sorted(self.info.files.items())}).encode())
         return digest.hexdigest()[:16]
+
+    def unplaced(self, provider: str) -> list[Finding]:
+        """The placement check of every graph on ``provider`` (``cpu``/``cuda``), cached per bundle content."""
+        key = (str(self.dir.resolve()), self.identity, provider)
+        if key not in _PLACEMENT_CACHE:
+            findings = []
+            for name, graph in sorted(self.info.graphs.items()):
+                path = self.dir / graph.file
+                try:
+                    findings += bundle_unplaced({name: path}, provider)
+                except Exception as e:  # noqa: BLE001 - onnx raises DecodeError and others for a damaged file
+                    raise BundleError(f"{path}: the graph does not load ({type(e).__name__}: "
+                                      f"{str(e).splitlines()[0][:300] if str(e) else ''}); run 'mossrt verify' "
+                                      "or re-export") from None
+            _PLACEMENT_CACHE[key] = findings
+        return _PLACEMENT_CACHE[key]
 
     def has_graph(self, name: str) -> bool:
         return name in self.info.graphs
@@ -113,6 +139,8 @@ class Bundle:
             if name not in self._sessions:
                 if not self.has_graph(name):
                     raise BundleError(f"{self.dir}: the bundle has no graph {name!r}")
+                if not self.providers:
+                    raise BundleError(self.refusal or f"{self.dir}: opened without a device; no graph can run")
                 opts = ort.SessionOptions()
                 opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
                 if self.threads:
@@ -143,4 +171,4 @@ class Bundle:
         return sorted(self.info.files)
 
 
-__all__ = ["Bundle", "FORMAT_VERSION", "resolve_providers", "sha256_file", "threads_setting"]
+__all__ = ["Bundle", "FORMAT_VERSION", "sha256_file", "threads_setting"]

@@ -71,6 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     v = sub.add_parser("verify", help="check every file of a bundle against its manifest's sha256")
     bundle_flag(v)
+    v.add_argument("--provider", choices=["cpu", "cuda"],
+                   help="also list every node the provider has no kernel for, or that would copy device data to the "
+                        "host inside a step (from committed kernel tables: no GPU needed); exit status 2 if any")
     v.set_defaults(func=c.cmd_verify)
 
     co = sub.add_parser("codec", help="run the codec of a bundle")

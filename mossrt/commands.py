@@ -82,11 +82,30 @@ def cmd_export(args) -> None:
 def cmd_verify(args) -> None:
     from engine.bundle import Bundle
 
-    bundle = Bundle(args.bundle, device="cpu")
+    bundle = Bundle(args.bundle, device=None)
     names = bundle.verify()
     total = sum(e.bytes for e in bundle.info.files.values())
     print(f"{args.bundle}: {len(names)} files, {total / 2**20:.1f} MiB, every sha256 matches the manifest "
           f"(bundle {bundle.identity})")
+    if args.provider:
+        report_placement(bundle, args.provider)
+
+
+def report_placement(bundle, provider: str) -> None:
+    """``verify --provider``: every node without a kernel there (or a device→host copy); status 2 if any."""
+    from engine.kernel_table import kernel_table
+
+    table = kernel_table(provider)
+    findings = bundle.unplaced(provider)
+    source = f"{table.ep} kernels of {table.package} {table.version}"
+    if not findings:
+        print(f"{provider}: 0 nodes without a kernel: every node of the {len(bundle.info.graphs)} graphs can run "
+              f"there ({source})")
+        return
+    print(f"{provider}: {len(findings)} node(s) cannot run as exported ({source}):")
+    for f in findings:
+        print(f"  {f.line()}")
+    raise CliError(f"{len(findings)} node(s) cannot run on the {provider} provider as exported")
 
 
 def load_model(args):

@@ -41,7 +41,8 @@ def open_bundle(settings):
     from engine.bundle import Bundle
 
     directory = settings.bundle or ensure_demo_bundle()
-    bundle = Bundle(directory, device=settings.device, threads=settings.threads or None)
+    # a provider that cannot run the bundle is reported by /ready (503, with the reason), not a failed start
+    bundle = Bundle(directory, device=settings.device, threads=settings.threads or None, defer_refusal=True)
     if settings.verify == "full":
         progress(f"verifying {len(bundle.info.files)} files of {directory} (sha256)")
         bundle.verify()
@@ -62,9 +63,11 @@ def cmd_serve(args) -> None:
         settings = settings.model_copy(update={"bundle": Path(bundle.dir)})
     configure_logging(settings)
     app = create_app(settings, bundle)
-    logging.getLogger("mossrt.app").info("listening on http://%s:%d (%s bundle %s, device %s)", settings.host,
-                                         settings.port, "demo" if bundle.is_demo else "model", bundle.dir,
-                                         bundle.device)
+    log = logging.getLogger("mossrt.app")
+    if bundle.refusal:
+        log.error("the bundle cannot be served on the requested device (/ready says so): %s", bundle.refusal)
+    log.info("listening on http://%s:%d (%s bundle %s, device %s: %s)", settings.host, settings.port,
+             "demo" if bundle.is_demo else "model", bundle.dir, bundle.device, bundle.device_reason)
     # uvicorn turns SIGTERM into a graceful shutdown (the app drains its streams), then raises the signal
     # again for the previous handler: make that one a no-op so a drained server exits with status 0
     signal.signal(signal.SIGTERM, lambda *_: None)

@@ -27,7 +27,7 @@ async def ready(request: Request):
     service: TTSService = request.app.state.service
     state = service.health_state
     body = {"status": state, "bundle": str(service.bundle.dir), "demo": service.bundle.is_demo,
-            "device": service.bundle.device}
+            "device": service.bundle.device, "device_reason": service.bundle.device_reason}
     if state == "failed":
         body["error"] = service.error
     if state == "broken":
