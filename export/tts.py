@@ -318,98 +318,104 @@ def build_backbone(ckpt: Checkpoint, cfg: TTSConfig, path: Path, weight_dtype, m
 
 
 # ---------------------------------------------------------------------------------------------- sampling
-def _row(gb: GraphBuilder, v: str) -> str:
-    """Per-row parameter [B] → [B, 1, 1] to broadcast over [B, N, V]."""
-    return gb.unsqueeze(v, [1, 2])
+@dataclass(frozen=True)
+class SamplerRows:
+    """Per-row sampling settings [B] broadcast once to [B, N, 1] values (N = codebooks per filter call):
+    what every codebook's filter reads, computed once per graph rather than once per codebook."""
+
+    penalty: str       # repetition penalty
+    temperature: str   # <= 0 counts as 1 (greedy rows)
+    kth: str           # int64 index of the k-th largest logit in an ascending sort: V - k (0 keeps all)
+    cut: str           # top-p: drop where the ascending cumulative probability <= cut (-1: top-p off)
 
 
-def sampling_filter(gb: GraphBuilder, logits: str, history: str, penalty: str, temperature: str,
-                    top_k: str, top_p: str, vocab: int) -> tuple[str, str, str]:
-    """The upstream ``sample_token`` filter chain on logits [B, N, V] with history [B, W, N]
-    (N codebooks side by side; per-row parameters [B]).
-
-    Returns ``(penalized, filtered, probs)``:
-    * penalized: repetition penalty over the set of ids in ``history[b, :, n]`` (x<0 → x*pen, else
-      x/pen; each id once; entries outside 0..V-1, e.g. the 1027 padding, match nothing);
-    * filtered: penalized / temperature (temperature <= 0 counts as 1: greedy rows), then top-k (keep
-      logits >= the k-th largest; k <= 0 or k >= V keeps all), then top-p (ascending sort, cumulative
-      softmax accumulated in float64 as torch's CPU cumsum does, drop where it is <= 1 - top_p, always keep
-      the max; top_p >= 1 keeps all); dropped entries are -inf;
-    * probs: softmax(filtered), the distribution a sample is drawn from.
-    """
+def sampler_rows(gb: GraphBuilder, penalty: str, temperature: str, top_k: str, top_p: str, vocab: int,
+                 books: int) -> SamplerRows:
+    """:class:`SamplerRows` from the graph's per-row inputs, for filter calls over ``books`` codebooks."""
     V = vocab
+    with gb.scope("sampling.rows"):
+        row = lambda v: gb.unsqueeze(v, [1, 2])                                            # [B] → [B, 1, 1]
+        k_on = gb.op("And", [gb.op("Greater", [top_k, gb.const(0, np.int64)]),
+                             gb.op("Less", [top_k, gb.const(V, np.int64)])])
+        kth = row(gb.op("Sub", [gb.const(V, np.int64), gb.op("Where", [k_on, top_k, gb.const(V, np.int64)])]))
+        if books > 1:   # GatherElements takes indices of the output's shape: one per codebook
+            kth = gb.op("Expand", [kth, gb.concat([gb.op("Shape", [top_k]), gb.const([books, 1], np.int64)], 0)])
+        temp = gb.op("Where", [gb.op("Greater", [temperature, gb.const(0.0)]), temperature, gb.const(1.0)])
+        cut = gb.op("Where", [gb.op("Less", [top_p, gb.const(1.0)]), gb.op("Sub", [gb.const(1.0), top_p]),
+                              gb.const(-1.0)])
+        return SamplerRows(penalty=row(penalty), temperature=row(temp), kth=kth, cut=row(cut))
+
+
+def history_marks(gb: GraphBuilder, history: str, vocab: int) -> str:
+    """history [B, W, N] → seen [B, N, V]: whether each vocab id occurs in codebook n's window. Ones are
+    scattered at the window's ids into a [B, N, V + 1] map (the history pad V lands in the extra column):
+    O(window), not O(window x V), and computed once for all codebooks."""
     with gb.scope("sampling.repetition_penalty"):
-        # membership of each vocab id in the window, per codebook: scatter ones at the window's ids into a
-        # [B, N, V + 1] map (the history pad V lands in the extra column); O(window), not O(window x V)
         ids = gb.transpose(history, [0, 2, 1])                                              # [B, N, W]
-        marks = gb.zeros(gb.concat([gb.op("Shape", [logits], start=0, end=2),
-                                    gb.const([V + 1], np.int64)], 0))                      # [B, N, V+1]
-        ones = gb.op("Expand", [gb.const(1.0), gb.op("Shape", [ids])])
-        marks = gb.op("ScatterElements", [marks, ids, ones], axis=-1)
-        seen = gb.op("Greater", [gb.op("Slice", [marks, gb.const([0], np.int64), gb.const([V], np.int64),
-                                                 gb.const([2], np.int64)]), gb.const(0.0)])  # [B, N, V]
-        pen = _row(gb, penalty)
+        marks = gb.zeros(gb.concat([gb.op("Shape", [ids], start=0, end=2), gb.const([vocab + 1], np.int64)], 0))
+        marks = gb.op("ScatterElements", [marks, ids, gb.op("Expand", [gb.const(1.0), gb.op("Shape", [ids])])],
+                      axis=-1)
+        return gb.op("Greater", [gb.op("Slice", [marks, gb.const([0], np.int64), gb.const([vocab], np.int64),
+                                                 gb.const([2], np.int64)]), gb.const(0.0)])
+
+
+def filter_logits(gb: GraphBuilder, logits: str, seen: str, rows: SamplerRows, vocab: int) -> tuple[str, str, str]:
+    """The upstream ``sample_token`` filter chain on logits [B, N, V] with ``seen`` [B, N, V] from
+    :func:`history_marks`. Returns ``(penalized, filtered, probs)``:
+
+    * penalized: repetition penalty on the ids seen in the window (x<0 → x*pen, else x/pen; each id once);
+    * filtered: penalized / temperature, then top-k (keep logits >= the k-th largest; k <= 0 or k >= V
+      keeps all), then top-p (ascending stable sort, cumulative softmax accumulated in float64 as torch's
+      CPU cumsum does, drop where it is <= 1 - top_p, always keep the max; top_p >= 1 keeps all); dropped
+      entries are -inf;
+    * probs: softmax(filtered), the distribution a sample is drawn from.
+
+    Fixed-size: one full-vocabulary sort (TopK with a constant K = V, ties by lower id first: the upstream
+    stable sort), thresholds read from it by GatherElements; no shape depends on the data, so nothing
+    needs a device→host copy.
+    """
+    neg_inf = gb.const(-np.inf)
+    with gb.scope("sampling.repetition_penalty"):
+        pen = rows.penalty
         punished = gb.op("Where", [gb.op("Less", [logits, gb.const(0.0)]), gb.op("Mul", [logits, pen]),
                                    gb.op("Div", [logits, pen])])
         penalized = gb.op("Where", [seen, punished, logits])
-
     with gb.scope("sampling.temperature"):
-        temp = gb.op("Where", [gb.op("Greater", [temperature, gb.const(0.0)]), temperature, gb.const(1.0)])
-        scaled = gb.op("Div", [penalized, _row(gb, temp)])
-
-    neg_inf = gb.const(-np.inf)
-    batch_books = gb.op("Shape", [scaled], start=0, end=2)
+        scaled = gb.op("Div", [penalized, rows.temperature])
     with gb.scope("sampling.top_k"):
-        # threshold = the k-th largest value of the row; only the largest max(k) values are sorted
-        k = gb.op("Where", [gb.op("And", [gb.op("Greater", [top_k, gb.const(0, np.int64)]),
-                                           gb.op("Less", [top_k, gb.const(V, np.int64)])]),
-                            top_k, gb.const(V, np.int64)])                                  # [B]
-        k_max = gb.unsqueeze(gb.op("ReduceMax", [k], keepdims=0), [0])                      # [1]
-        desc, _ = gb.op("TopK", [scaled, k_max], n_out=2, axis=-1, largest=1, sorted=1)     # [B, N, k_max]
-        k_idx = gb.op("Expand", [_row(gb, gb.op("Sub", [k, gb.const(1, np.int64)])),
-                                 gb.concat([batch_books, gb.const([1], np.int64)], 0)])      # [B, N, 1]
-        kth = gb.op("GatherElements", [desc, k_idx], axis=-1)                               # [B, N, 1]
-        topk = gb.op("Where", [gb.op("Less", [scaled, kth]), neg_inf, scaled])              # ties all kept
-
+        asc, order = gb.op("TopK", [scaled, gb.const([vocab], np.int64)], n_out=2, axis=-1, largest=0, sorted=1)
+        kth = gb.op("GatherElements", [asc, rows.kth], axis=-1)                              # [B, N, 1]
+        asc = gb.op("Where", [gb.op("Less", [asc, kth]), neg_inf, asc])                      # ties all kept
     with gb.scope("sampling.top_p"):
-        # HF TopPLogitsWarper on the survivors only: the -inf entries add exact zeros to the ascending
-        # cumulative sum, so sorting just the finite values (every row's, ties included) is the same
-        finite = gb.op("ReduceSum", [gb.cast(gb.op("Greater", [topk, neg_inf]), INT64), gb.const([-1], np.int64)],
-                       keepdims=0)                                                           # [B, N]
-        n_win = gb.op("ReduceMax", [finite], keepdims=0)
-        n = gb.unsqueeze(n_win, [0])
-        top, top_idx = gb.op("TopK", [topk, n], n_out=2, axis=-1, largest=1, sorted=1)  # ties: lower id first
-        # ascending, ties by id (the upstream stable sort): re-sort the small window, ties keep window order
-        win, pos = gb.op("TopK", [top, n], n_out=2, axis=-1, largest=0, sorted=1)
-        order = gb.op("GatherElements", [top_idx, pos], axis=-1)
-        cum = gb.cast(gb.op("CumSum", [gb.cast(gb.op("Softmax", [win], axis=-1), DOUBLE), gb.const(-1, np.int64)]),
+        # HF TopPLogitsWarper: the -inf entries sort first and add exact zeros to the cumulative sum
+        cum = gb.cast(gb.op("CumSum", [gb.cast(gb.op("Softmax", [asc], axis=-1), DOUBLE), gb.const(-1, np.int64)]),
                       FLOAT)
-        cut = _row(gb, gb.op("Sub", [gb.const(1.0), top_p]))
-        last = gb.op("Sub", [n_win, gb.const(1, np.int64)])
-        not_max = gb.op("Less", [gb.arange(n_win), last])                                   # always keep the max
-        drop_win = gb.op("And", [gb.op("LessOrEqual", [cum, cut]), not_max])                 # [B, N, n_win]
-        drop = gb.op("ScatterElements", [gb.zeros(gb.op("Shape", [topk])), order, gb.cast(drop_win, FLOAT)],
-                     axis=-1)
-        p_on = _row(gb, gb.op("Less", [top_p, gb.const(1.0)]))
-        drop = gb.op("And", [gb.op("Greater", [drop, gb.const(0.0)]), p_on])
-        filtered = gb.op("Where", [drop, neg_inf, topk])
+        not_max = gb.const(np.arange(vocab) < vocab - 1, np.bool_)                          # always keep the max
+        drop = gb.op("And", [gb.op("LessOrEqual", [cum, rows.cut]), not_max])
+        # back to id order: ``order`` is a permutation, so every entry of ``scaled`` is overwritten
+        filtered = gb.op("ScatterElements", [scaled, order, gb.op("Where", [drop, neg_inf, asc])], axis=-1)
         probs = gb.op("Softmax", [filtered], axis=-1)
     return penalized, filtered, probs
 
 
+def sampling_filter(gb: GraphBuilder, logits: str, history: str, penalty: str, temperature: str,
+                    top_k: str, top_p: str, vocab: int, books: int) -> tuple[str, str, str]:
+    """:func:`filter_logits` on logits [B, N, V] with history [B, W, N] and per-row parameters [B]."""
+    rows = sampler_rows(gb, penalty, temperature, top_k, top_p, vocab, books)
+    return filter_logits(gb, logits, history_marks(gb, history, vocab), rows, vocab)
+
+
 def _draw(gb: GraphBuilder, probs: str, uniform: str, vocab: int) -> str:
-    """Inverse-CDF draw from probs [B, V] with u [B] in [0, 1): the first index whose cumulative
-    probability exceeds ``u * total``; never an index of probability 0. → [B] int64."""
+    """Inverse-CDF draw from probs [B, 1, V] with u [B, 1, 1] in [0, 1): the first index whose cumulative
+    probability exceeds ``u * total``; never an index of probability 0. → [B, 1, 1] int64."""
     cdf = gb.op("CumSum", [probs, gb.const(-1, np.int64)])
-    total = gb.op("Gather", [cdf, gb.const([vocab - 1], np.int64)], axis=1)             # [B, 1]
-    target = gb.op("Mul", [gb.unsqueeze(uniform, [1]), total])
-    count = gb.op("ReduceSum", [gb.cast(gb.op("LessOrEqual", [cdf, target]), INT64), gb.const([1], np.int64)],
-                  keepdims=1)                                                            # [B, 1]
+    total = gb.op("Gather", [cdf, gb.const([vocab - 1], np.int64)], axis=-1)            # [B, 1, 1]
+    count = gb.op("ReduceSum", [gb.cast(gb.op("LessOrEqual", [cdf, gb.op("Mul", [uniform, total])]), INT64),
+                                gb.const([-1], np.int64)], keepdims=1)                   # [B, 1, 1]
     idx = gb.op("Min", [count, gb.const([vocab - 1], np.int64)])
-    picked = gb.op("GatherElements", [probs, idx], axis=1)
-    best = gb.op("ArgMax", [probs], axis=1, keepdims=1)
-    idx = gb.op("Where", [gb.op("Greater", [picked, gb.const(0.0)]), idx, best])
-    return gb.squeeze(idx, [1])
+    picked = gb.op("GatherElements", [probs, idx], axis=-1)
+    return gb.op("Where", [gb.op("Greater", [picked, gb.const(0.0)]), idx,
+                           gb.op("ArgMax", [probs], axis=-1, keepdims=1)])
 
 
 def build_sampling_filter(path: Path, vocab: int = AUDIO_VOCAB, rvq: int = RVQ) -> GraphBuilder:
@@ -418,7 +424,7 @@ def build_sampling_filter(path: Path, vocab: int = AUDIO_VOCAB, rvq: int = RVQ) 
     logits = gb.input("logits", FLOAT, ["batch", rvq, vocab])
     history = gb.input("history", INT64, ["batch", "window", rvq])
     params = _sampling_inputs(gb)
-    penalized, _, probs = sampling_filter(gb, logits, history, *params, vocab=vocab)
+    penalized, _, probs = sampling_filter(gb, logits, history, *params, vocab=vocab, books=rvq)
     gb.output(penalized, "penalized", FLOAT, ["batch", rvq, vocab])
     gb.output(probs, "probs", FLOAT, ["batch", rvq, vocab])
     return gb
@@ -443,7 +449,11 @@ def build_depth(ckpt: Checkpoint, cfg: TTSConfig, path: Path, weight_dtype, matm
     penalty, temperature, top_k, top_p = _sampling_inputs(gb)
     greedy = gb.input("greedy", BOOL, ["batch"])
     uniform = gb.input("uniform", FLOAT, ["batch", N])
-    greedy = gb.op("Or", [greedy, gb.op("LessOrEqual", [temperature, gb.const(0.0)])])
+    greedy = gb.unsqueeze(gb.op("Or", [greedy, gb.op("LessOrEqual", [temperature, gb.const(0.0)])]), [1, 2])
+    rows = sampler_rows(gb, penalty, temperature, top_k, top_p, V, books=1)
+    # per-codebook slices, made once: the window's id marks [B, 1, V] and the uniforms [B, 1, 1]
+    seen = gb.op("Split", [history_marks(gb, history, V)], n_out=N, axis=1, num_outputs=N)
+    draws = gb.op("Split", [gb.unsqueeze(uniform, [2])], n_out=N, axis=1, num_outputs=N)
 
     layers = [Layer(gb, ckpt, s, i) for i in range(s.layers)]
     final_norm = gb.weight(f"{LOCAL}.norm.weight", ckpt.get(f"{LOCAL}.norm.weight"))
@@ -470,16 +480,14 @@ def build_depth(ckpt: Checkpoint, cfg: TTSConfig, path: Path, weight_dtype, matm
                 h = gb.rms_norm_named(h, final_norm, s.rms_eps)
                 logits = gb.unsqueeze(gb.matmul(gb.squeeze(h, [1]), heads[p]), [1])        # [B, 1, V]
             all_logits.append(logits)
-            hist = gb.op("Gather", [history, gb.const([p], np.int64)], axis=2)              # [B, W, 1]
-            penalized, _, probs = sampling_filter(gb, logits, hist, penalty, temperature, top_k, top_p, vocab=V)
+            penalized, _, probs = filter_logits(gb, logits, seen[p], rows, V)
             with gb.scope("sampling.draw"):
-                argmax = gb.op("ArgMax", [gb.squeeze(penalized, [1])], axis=1, keepdims=0)  # [B]
-                drawn = _draw(gb, gb.squeeze(probs, [1]), gb.op("Gather", [uniform, gb.const(p, np.int64)], axis=1), V)
-                code = gb.op("Where", [greedy, argmax, drawn])                               # [B]
-            codes.append(gb.unsqueeze(code, [1]))
+                argmax = gb.op("ArgMax", [penalized], axis=-1, keepdims=1)                  # [B, 1, 1]
+                code = gb.squeeze(gb.op("Where", [greedy, argmax, _draw(gb, probs, draws[p], V)]), [2])  # [B, 1]
+            codes.append(code)
             if p + 1 < N:
-                x = gb.unsqueeze(gb.embedding(code, ckpt.get(f"{LOCAL}.embed_tokens.{p}.weight", dtype=None),
-                                              f"{LOCAL}.embed_tokens.{p}"), [1])             # [B, 1, H]
+                x = gb.embedding(code, ckpt.get(f"{LOCAL}.embed_tokens.{p}.weight", dtype=None),
+                                 f"{LOCAL}.embed_tokens.{p}")                                 # [B, 1, H]
     gb.output(gb.concat(codes, 1), "codes", INT64, ["batch", N])
     gb.output(gb.concat(all_logits, 1), "logits", FLOAT, ["batch", N, V])
     return gb

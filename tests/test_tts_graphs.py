@@ -323,6 +323,44 @@ def test_filter_switches(graphs):
     assert np.allclose(probs[0].max(-1), 1.0)
 
 
+def test_top_p_zero_keeps_only_the_max(graphs):
+    """top_p 0 drops every entry of the ascending cumulative sum but the max (upstream always keeps it)."""
+    logits = tts_golden("text_only")["frame0_logits"][None]
+    _, probs = graphs.sampling_filter(logits, np.full((1, 1, 16), HIST_PAD), 1.0, 1.0, 0, 0.0)
+    np.testing.assert_array_equal(probs[0], np.eye(1027, dtype=np.float32)[logits[0].argmax(-1)])
+
+
+# inputs onnxruntime reads on the host (shapes, counts, axes): fed from graph data, each is a device→host copy
+# per call and a shape that changes with the data (no CUDA graph capture)
+HOST_SIDE_INPUTS = {"TopK": [1], "Reshape": [1], "Expand": [1], "ConstantOfShape": [0], "Range": [0, 1, 2],
+                    "Slice": [1, 2, 3, 4], "Tile": [1], "Squeeze": [1], "Unsqueeze": [1], "Split": [1],
+                    "ReduceSum": [1], "ReduceMean": [1], "ReduceMax": [1], "CumSum": [1],
+                    "GroupQueryAttention": [6]}
+
+
+def data_to_shape_paths(path) -> list[str]:
+    """Nodes whose host-side inputs depend on the values (not only the shapes) of the graph's inputs."""
+    import onnx
+
+    graph = onnx.load(str(path), load_external_data=False).graph
+    data = {i.name for i in graph.input}
+    bad = []
+    for node in graph.node:
+        host = HOST_SIDE_INPUTS.get(node.op_type, [])
+        bad += [f"{node.name} ({node.op_type} input {i} from {name})" for i, name in enumerate(node.input)
+                if i in host and name in data]
+        if node.op_type != "Shape" and any(name in data for name in node.input):
+            data.update(node.output)
+    return bad
+
+
+@pytest.mark.parametrize("graph", ["depth", "sampling_filter"])
+def test_sampler_shapes_do_not_depend_on_data(tts_bundle_dir, graph):
+    """The frame sampler sorts the whole vocabulary (K = 1027, a constant): no top_k or finite-window
+    reduction feeds a shape, so a call needs no device→host copy and its shapes are fixed per batch."""
+    assert data_to_shape_paths(tts_bundle_dir / f"{graph}.onnx") == []
+
+
 def test_depth_mixed_batch_and_draws(graphs):
     """Row 0 greedy, row 1 sampled in one call: row 0 equals its greedy frame; row 1's codes are the
     inverse-CDF draws (from the host uniforms) of the filter's distribution for its own logits."""
