@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
-from onnx import TensorProto
+from onnx import TensorProto, helper
 
 from .checkpoint import Checkpoint, CheckpointError, parse_config
 from .graph import GraphBuilder
@@ -436,15 +436,90 @@ def _sampling_inputs(gb: GraphBuilder) -> tuple[str, str, str, str]:
 
 
 # ---------------------------------------------------------------------------------------------- depth
+class DepthLayer:
+    """One local-transformer layer written with fused contrib ops, for one position of the unrolled frame.
+
+    Packed ``[q; k; v]`` and ``[gate; up]`` projections; q/k RMSNorm as one SimplifiedLayerNormalization over
+    every head of the packed projection (unit scale, then each head's own weight; v heads pass through);
+    GroupQueryAttention with its own rotary (cos/sin cache over the 16 positions) over this frame's earlier
+    positions; residual adds folded into SkipSimplifiedLayerNormalization.
+    """
+
+    def __init__(self, gb: GraphBuilder, ckpt: Checkpoint, spec: StackSpec, index: int):
+        lp = f"{spec.prefix}.layers.{index}"
+        self.spec, self.name = spec, lp
+        get = lambda n: ckpt.get(f"{lp}.{n}")
+        self.ln1 = gb.weight(f"{lp}.input_layernorm.weight", get("input_layernorm.weight"))
+        self.ln2 = gb.weight(f"{lp}.post_attention_layernorm.weight", get("post_attention_layernorm.weight"))
+        self.qkv = gb.matmul_weight(np.concatenate([get(f"self_attn.{n}_proj.weight") for n in "qkv"]),
+                                    f"{lp}.self_attn.qkv_proj")
+        self.o = gb.matmul_weight(get("self_attn.o_proj.weight"), f"{lp}.self_attn.o_proj")
+        self.gate_up = gb.matmul_weight(np.concatenate([get("mlp.gate_proj.weight"), get("mlp.up_proj.weight")]),
+                                        f"{lp}.mlp.gate_up_proj")
+        self.down = gb.matmul_weight(get("mlp.down_proj.weight"), f"{lp}.mlp.down_proj")
+        ones = np.ones(spec.head_dim, np.float32)
+        heads = ([get("self_attn.q_norm.weight")] * spec.heads + [get("self_attn.k_norm.weight")] * spec.kv_heads
+                 + [ones] * spec.kv_heads)
+        # norm weights keep full precision (as every norm vector does; gb.weight would narrow this 2-D table)
+        self.qk_norm = gb.tensor(f"{lp}.self_attn.qk_norm.weight", np.stack(heads))          # [H + 2KV, D]
+        self.unit = gb.weight(f"{lp}.self_attn.qk_norm.unit", ones)
+
+    def attend(self, gb: GraphBuilder, h: str, past: tuple[str, str] | None, seqlens: str, total: int,
+               rope: str, values: str) -> tuple[str, tuple[str, str]]:
+        """Normed input h [B, 1, hidden] at position ``total - 1`` → (attention output after o_proj,
+        the (key, value) cache [B, KV, total, D] for the next position). ``rope`` is this position's
+        rotate-half RoPE as a [D, D] matrix (cos on the diagonal, ±sin at the partner dimension: one MatMul
+        instead of split/negate/concat/mul/mul/add); ``values`` [H + 2KV, 1] marks the v heads, which
+        take neither norm nor rotation."""
+        s = self.spec
+        with gb.scope(f"{self.name}.self_attn"):
+            qkv = gb.reshape(gb.matmul(h, self.qkv), [0, -1, s.head_dim])                    # [B, H+2KV, D]
+            qk = gb.op("Mul", [gb.rms_norm_named(qkv, self.unit, s.rms_eps), self.qk_norm])  # q/k RMSNorm
+            qkv = gb.op("Where", [values, qkv, gb.op("MatMul", [qk, rope])])
+            present = (gb.fresh("present_key"), gb.fresh("present_value"))
+            inputs = [gb.reshape(qkv, [0, 1, -1]), "", ""] + (list(past) if past else ["", ""])
+            att = gb.op("GroupQueryAttention", inputs + [seqlens, gb.const(total, np.int32)],
+                        outs=[gb.fresh("attn"), *present], domain="com.microsoft", num_heads=s.heads,
+                        kv_num_heads=s.kv_heads, scale=1.0 / math.sqrt(s.head_dim))[0]
+            return gb.matmul(att, self.o), present
+
+    def mlp(self, gb: GraphBuilder, h: str) -> str:
+        """SwiGLU of the normed h [B, 1, hidden] (the residual add is the next norm's skip input)."""
+        with gb.scope(f"{self.name}.mlp"):
+            gate, up = gb.op("Split", [gb.matmul(h, self.gate_up)], n_out=2, axis=-1, num_outputs=2)
+            return gb.matmul(gb.op("Mul", [gb.silu(gate), up]), self.down)
+
+
+def rope_matrix(spec: StackSpec, position: int) -> np.ndarray:
+    """Rotate-half RoPE at ``position`` as a [D, D] matrix M with ``x @ M = x * cos + rotate_half(x) * sin``
+    (cos/sin of ``position * inv_freq`` in float32, as upstream)."""
+    half = spec.head_dim // 2
+    ang = np.float32(position) * spec.inv_freq()
+    cos, sin = np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
+    m = np.zeros((spec.head_dim, spec.head_dim), np.float32)
+    i = np.arange(half)
+    m[i, i], m[i + half, i + half] = cos, cos
+    m[i + half, i], m[i, i + half] = -sin, sin      # out[i] = x[i] cos - x[i+h] sin; out[i+h] = x[i+h] cos + x[i] sin
+    return m
+
+
+def skip_rms_norm(gb: GraphBuilder, x: str, delta: str, weight: str, eps: float) -> tuple[str, str]:
+    """(RMSNorm(x + delta) * weight, x + delta)."""
+    total = gb.op("Add", [x, delta])
+    return gb.rms_norm_named(total, weight, eps), total
+
+
 def build_depth(ckpt: Checkpoint, cfg: TTSConfig, path: Path, weight_dtype, matmul_bits: int = 8) -> GraphBuilder:
     """One whole frame: hidden [B, hidden] → codes [B, 16] and raw head logits [B, 16, V].
 
     Position 0 is the backbone hidden state, position p >= 1 the local embedding ``p-1`` of code
-    ``p-1``; the 16 positions are unrolled and each attends to the K/V of the earlier ones.
+    ``p-1``; the 16 positions are unrolled and each attends to the K/V of the earlier ones (a cache of
+    p rows at position p: every shape is a constant of the graph).
     """
     s, V, N = cfg.local, cfg.audio_vocab, cfg.rvq
     gb = GraphBuilder("depth", path, weight_dtype, matmul_bits=matmul_bits)
-    x = gb.unsqueeze(gb.input("hidden", FLOAT, ["batch", s.hidden]), [1])              # [B, 1, H]
+    hidden = gb.input("hidden", FLOAT, ["batch", s.hidden])
+    x = gb.unsqueeze(hidden, [1])                                                        # [B, 1, H]
     history = gb.input("history", INT64, ["batch", "window", N])
     penalty, temperature, top_k, top_p = _sampling_inputs(gb)
     greedy = gb.input("greedy", BOOL, ["batch"])
@@ -454,31 +529,34 @@ def build_depth(ckpt: Checkpoint, cfg: TTSConfig, path: Path, weight_dtype, matm
     # per-codebook slices, made once: the window's id marks [B, 1, V] and the uniforms [B, 1, 1]
     seen = gb.op("Split", [history_marks(gb, history, V)], n_out=N, axis=1, num_outputs=N)
     draws = gb.op("Split", [gb.unsqueeze(uniform, [2])], n_out=N, axis=1, num_outputs=N)
+    with gb.scope("rotary"):
+        # GroupQueryAttention's lengths: position p is the last of p + 1 valid rows
+        no_rows = gb.op("ConstantOfShape", [gb.op("Shape", [hidden], start=0, end=1)],
+                        value=helper.make_tensor("zero", INT32, [1], [0]))              # [B] int32
+        seqlens = [no_rows] + [gb.op("Add", [no_rows, gb.const(p, np.int32)]) for p in range(1, N)]
+        ropes = [gb.const(rope_matrix(s, p)) for p in range(N)]
+        values = gb.const(np.arange(s.heads + 2 * s.kv_heads)[:, None] >= s.heads + s.kv_heads, np.bool_)
 
-    layers = [Layer(gb, ckpt, s, i) for i in range(s.layers)]
+    layers = [DepthLayer(gb, ckpt, s, i) for i in range(s.layers)]
     final_norm = gb.weight(f"{LOCAL}.norm.weight", ckpt.get(f"{LOCAL}.norm.weight"))
     heads = [gb.matmul_weight(ckpt.get(f"local_transformer.local_lm_heads.{p}.weight"),
                               f"local_transformer.local_lm_heads.{p}") for p in range(N)]
-    inv = s.inv_freq()
-    keys: list[list[str]] = [[] for _ in layers]
-    values: list[list[str]] = [[] for _ in layers]
+    caches: list[tuple[str, str] | None] = [None] * len(layers)
     codes, all_logits = [], []
     for p in range(N):
         with gb.scope(f"codebook.{p}"):
-            ang = np.float32(p) * inv
-            emb = np.concatenate([ang, ang]).reshape(1, 1, 1, -1)
-            cos, sin = gb.const(np.cos(emb)), gb.const(np.sin(emb))
-            h = x
+            with gb.scope(f"{layers[0].name}.input_layernorm"):
+                h = gb.rms_norm_named(x, layers[0].ln1, s.rms_eps)
             for li, layer in enumerate(layers):
-                q, k, v = layer.qkv(gb, h, cos, sin)
-                keys[li].append(k)
-                values[li].append(v)
-                kk = keys[li][0] if p == 0 else gb.concat(keys[li], 2)
-                vv = values[li][0] if p == 0 else gb.concat(values[li], 2)
-                h = layer.finish(gb, h, q, kk, vv, None)
+                att, caches[li] = layer.attend(gb, h, caches[li], seqlens[p], p + 1, ropes[p], values)
+                with gb.scope(f"{layer.name}.post_attention_layernorm"):
+                    h, x = skip_rms_norm(gb, x, att, layer.ln2, s.rms_eps)
+                delta = layer.mlp(gb, h)
+                nxt = layers[li + 1].ln1 if li + 1 < len(layers) else final_norm
+                with gb.scope(f"{layer.name}.residual_norm"):
+                    h, x = skip_rms_norm(gb, x, delta, nxt, s.rms_eps)
             with gb.scope(f"local_transformer.local_lm_heads.{p}"):
-                h = gb.rms_norm_named(h, final_norm, s.rms_eps)
-                logits = gb.unsqueeze(gb.matmul(gb.squeeze(h, [1]), heads[p]), [1])        # [B, 1, V]
+                logits = gb.matmul(h, heads[p])                                          # [B, 1, V]
             all_logits.append(logits)
             penalized, _, probs = filter_logits(gb, logits, seen[p], rows, V)
             with gb.scope("sampling.draw"):

@@ -389,6 +389,21 @@ def test_depth_mixed_batch_and_draws(graphs):
     np.testing.assert_array_equal(k1, ref_greedy)
 
 
+def test_depth_is_written_with_fused_ops(tts_bundle_dir):
+    """The local transformer's 16 positions use GroupQueryAttention over this frame's earlier positions, one
+    packed q/k/v and one packed gate/up projection per layer and position, and no per-position transposes:
+    under a fifth of the nodes of the op-by-op graph (5,933 on this checkpoint), the launch count on a GPU."""
+    import onnx
+
+    nodes = onnx.load(str(tts_bundle_dir / "depth.onnx"), load_external_data=False).graph.node
+    ops = [n.op_type for n in nodes]
+    cfg = json.loads((tts_bundle_dir / "manifest.json").read_text())["tts"]["config"]["local"]
+    per_position = cfg["layers"] * 16
+    assert ops.count("GroupQueryAttention") == per_position and "Transpose" not in ops[-100:]
+    assert ops.count("MatMul") + ops.count("MatMulNBits") == per_position * 5 + 16   # qkv, rope, o, gate_up, down; heads
+    assert len(nodes) <= 3100, len(nodes)
+
+
 # ---------------------------------------------------------------------------------------------- reduced precision
 def _agreement(bundle_dir) -> dict:
     """Greedy code agreement with the goldens over the four greedy runs (two prompts, penalty 1.0 / 1.1).
