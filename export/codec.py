@@ -130,45 +130,37 @@ def _unpatch(gb: GraphBuilder, x: str, h: int, channels: int) -> str:
     return gb.reshape(gb.transpose(y, [0, 1, 3, 2]), [0, -1, channels // h])
 
 
-def _window_bias(gb: GraphBuilder, pos0: str, n_new: str, past_rows: int, context: int) -> str:
-    """Additive attention bias [B, 1, T, C+T] for queries at ``pos0[b] + i`` over the ring and the new rows.
+def _window_bias(gb: GraphBuilder, pos0: str, pos: str, past_rows: int, context: int) -> str:
+    """Additive attention bias [B, 1, T, C+T] for queries at ``pos[b, i] = pos0[b] + i`` over the ring and
+    the new rows.
 
-    Ring slot j holds position ``p_j = P - C + ((j - P) mod C)`` (valid when ``p_j >= 0``); a key is
-    visible to a query iff ``0 <= q - k < context``.
+    Ring slot j holds position ``P - C + ((j - P) mod C)`` (valid when >= 0), new row k position ``P + k``;
+    a key is visible to a query iff it is valid and ``0 <= q - k < context``.
     """
     C = past_rows
     P = gb.unsqueeze(pos0, [1])                                               # [B, 1]
-    i = gb.unsqueeze(gb.arange(n_new), [0])                                   # [1, T]
-    q = gb.unsqueeze(gb.op("Add", [P, i]), [2])                               # [B, T, 1]
-    j = gb.const(np.arange(C, dtype=np.int64)[None, :], np.int64)             # [1, C]
-    pj = gb.op("Add", [gb.op("Sub", [P, gb.const(C, np.int64)]),
-                       gb.op("Mod", [gb.op("Sub", [j, P]), gb.const(C, np.int64)], fmod=0)])  # [B, C]
-    pj = gb.unsqueeze(pj, [1])                                                # [B, 1, C]
-    past_ok = gb.op("And", [gb.op("GreaterOrEqual", [pj, gb.const(0, np.int64)]),
-                            gb.op("Less", [gb.op("Sub", [q, pj]), gb.const(context, np.int64)])])
-    k = gb.unsqueeze(gb.arange(n_new), [0])                                   # [1, T]
-    d = gb.op("Sub", [gb.unsqueeze(gb.arange(n_new), [1]), k])                # [T, T]
-    new_ok = gb.op("And", [gb.op("GreaterOrEqual", [d, gb.const(0, np.int64)]),
-                           gb.op("Less", [d, gb.const(context, np.int64)])])
-    new_ok = gb.op("Expand", [gb.unsqueeze(new_ok, [0]),
-                              gb.concat([gb.op("Shape", [pos0]), gb.const([1, 1], np.int64)], 0)])
-    ok = gb.concat([past_ok, new_ok], 2)                                      # [B, T, C+T]
-    bias = gb.op("Where", [ok, gb.const(0.0), gb.const(np.finfo(np.float32).min)])
-    return gb.unsqueeze(bias, [1])
+    ring = gb.op("Add", [gb.op("Sub", [P, gb.const(C, np.int64)]),
+                         gb.op("Mod", [gb.op("Sub", [gb.const(np.arange(C)[None, :], np.int64), P]),
+                                       gb.const(C, np.int64)], fmod=0)])       # [B, C]
+    keys = gb.unsqueeze(gb.concat([ring, pos], 1), [1])                       # [B, 1, C+T]
+    d = gb.op("Sub", [gb.unsqueeze(pos, [2]), keys])                          # [B, T, C+T]
+    zero = gb.const(0, np.int64)
+    ok = gb.op("And", [gb.op("And", [gb.op("GreaterOrEqual", [keys, zero]), gb.op("GreaterOrEqual", [d, zero])]),
+                       gb.op("Less", [d, gb.const(context, np.int64)])])
+    return gb.unsqueeze(gb.op("Where", [ok, gb.const(0.0), gb.const(np.finfo(np.float32).min)]), [1])
 
 
 def past_names(side: str, stage: int, layer: int) -> tuple[str, str]:
     return f"{side}.past_key.{stage}.{layer}", f"{side}.past_value.{stage}.{layer}"
 
 
-def _rotary_tables(gb: GraphBuilder, pos0: str, n_new: str, spec: StageSpec) -> tuple[str, str, str]:
-    """(position_ids [B, T], cos_cache, sin_cache [B*T, D/2]) for ``com.microsoft.RotaryEmbedding``: row
-    ``b*T + i`` of the caches holds the angles of position ``pos0[b] + i``, so the caches cover exactly this
-    call's positions, however far the stream has run. Upstream RoPE (moshi style): freqs =
-    exp(i * -ln(max_period) * 2 / D), angles pos * freqs in float32."""
+def _rotary_tables(gb: GraphBuilder, pos: str, spec: StageSpec) -> tuple[str, str, str]:
+    """(position_ids [B, T], cos_cache, sin_cache [B*T, D/2]) for ``com.microsoft.RotaryEmbedding`` at the
+    positions ``pos`` [B, T]: row ``b*T + i`` of the caches holds the angles of ``pos[b, i]``, so the caches
+    cover exactly this call's positions, however far the stream has run. Upstream RoPE (moshi style):
+    freqs = exp(i * -ln(max_period) * 2 / D), angles pos * freqs in float32."""
     Dh = spec.head_dim
     freqs = np.exp(np.arange(Dh // 2, dtype=np.float32) * np.float32(-math.log(spec.max_period) * 2 / Dh))
-    pos = gb.op("Add", [gb.unsqueeze(pos0, [1]), gb.unsqueeze(gb.arange(n_new), [0])])          # [B, T]
     ang = gb.reshape(gb.op("Mul", [gb.unsqueeze(gb.cast(pos, FLOAT), [2]), gb.const(freqs)]), [-1, Dh // 2])
     ids = gb.op("Reshape", [gb.arange(gb.op("Size", [pos])), gb.op("Shape", [pos])])
     return ids, gb.op("Cos", [ang]), gb.op("Sin", [ang])
@@ -197,8 +189,9 @@ def _stage(gb: GraphBuilder, ckpt: Checkpoint, x: str, spec: StageSpec, frame_po
         raise CheckpointError(f"missing tensor {p}.input_proj.weight")
     n_new = gb.dim(x, 1)
     pos0 = gb.op("Mul", [frame_pos, gb.const(spec.tokens_per_frame, np.int64)])
-    bias = _window_bias(gb, pos0, n_new, spec.past_rows, spec.context)
-    rope = _rotary_tables(gb, pos0, n_new, spec)
+    pos = gb.op("Add", [gb.unsqueeze(pos0, [1]), gb.unsqueeze(gb.arange(n_new), [0])])          # [B, T]
+    bias = _window_bias(gb, pos0, pos, spec.past_rows, spec.context)
+    rope = _rotary_tables(gb, pos, spec)
     new_rows = gb.const([spec.past_rows], np.int64), gb.const([np.iinfo(np.int64).max], np.int64)
     presents, delta = [], None
     for layer in range(spec.layers):
