@@ -11,7 +11,11 @@ sampling filter on its own (for tests).
 * ``sampling_filter`` is the same filter on given logits, exposing the penalized logits and the final
   distribution.
 
-Everything computes in float32; ``weight_dtype`` only changes how large weights are stored.
+``weight_dtype`` is how large weights are stored, ``compute_dtype`` what the backbone computes in
+(activations and its KV slots; see ``GraphBuilder``): its ``hidden`` output is float32 whatever it
+computes in, so the depth graph's interface does not depend on it. The depth graph and the sampler
+compute in float32 (a depth graph in float16 is ``build_depth``'s to make: pass ``compute_dtype`` to its
+GraphBuilder, cast the head logits to float32 and build the sampler inside ``gb.computing(np.float32)``).
 """
 
 from __future__ import annotations
@@ -61,6 +65,14 @@ class StackSpec:
     rms_eps: float
     rope_theta: float
     rope_factor: float   # "linear" RoPE scaling: positions / factor (1.0 = default RoPE)
+    max_positions: int = 32768   # max_position_embeddings: rows of the backbone's RoPE cos/sin tables
+
+    def rope_cache(self, dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
+        """GroupQueryAttention's rotary tables ``[max_positions, head_dim / 2]``: cos and sin of the float32
+        angles ``position * inv_freq`` (as transformers forms them), each correctly rounded to ``dtype``."""
+        ang = np.arange(self.max_positions, dtype=np.float32)[:, None] * self.inv_freq()[None, :]
+        ang = ang.astype(np.float64)
+        return np.cos(ang).astype(dtype), np.sin(ang).astype(dtype)
 
     def inv_freq(self) -> np.ndarray:
         """``1 / theta^(arange(0, D, 2) / D)`` in float32, as transformers computes it."""
@@ -123,7 +135,8 @@ def _stack(cfg: dict, prefix: str, where: str) -> StackSpec:
     return StackSpec(prefix=prefix, layers=int(cfg["num_hidden_layers"]), hidden=hidden, heads=heads,
                      kv_heads=kv_heads, head_dim=int(cfg.get("head_dim") or hidden // heads),
                      intermediate=int(cfg["intermediate_size"]), rms_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-                     rope_theta=theta, rope_factor=factor)
+                     rope_theta=theta, rope_factor=factor,
+                     max_positions=int(cfg.get("max_position_embeddings") or 32768))
 
 
 def parse_tts_config(cfg: dict) -> TTSConfig:
@@ -197,30 +210,53 @@ def check_tensor_shapes(ckpt: Checkpoint, cfg: TTSConfig) -> None:
 
 # ---------------------------------------------------------------------------------------------- layers
 class Layer:
-    """One Qwen3 decoder layer's weights, added to the graph once and shared by every call site."""
+    """One Qwen3 decoder layer's weights, added to the graph once and shared by every call site.
+
+    q/k/v are one packed projection (``self_attn.qkv_proj``) and gate/up another (``mlp.gate_up_proj``),
+    each split after its matmul; Qwen3's q/k RMSNorm sits between the projection and RoPE, which is why
+    the packed output is split rather than handed to the attention op packed. Residual adds are fused
+    into the following norm (``SkipSimplifiedLayerNormalization``).
+    """
 
     def __init__(self, gb: GraphBuilder, ckpt: Checkpoint, spec: StackSpec, index: int):
         lp = f"{spec.prefix}.layers.{index}"
         self.spec, self.name = spec, lp
         vec = lambda n: gb.weight(f"{lp}.{n}", ckpt.get(f"{lp}.{n}"))
-        mat = lambda n: gb.matmul_weight(ckpt.get(f"{lp}.{n}.weight"), f"{lp}.{n}")
+        mat = lambda n: ckpt.get(f"{lp}.{n}.weight")
         self.ln1, self.ln2 = vec("input_layernorm.weight"), vec("post_attention_layernorm.weight")
         self.q_norm, self.k_norm = vec("self_attn.q_norm.weight"), vec("self_attn.k_norm.weight")
-        self.q, self.k, self.v, self.o = (mat(f"self_attn.{n}_proj") for n in "qkvo")
-        self.gate, self.up, self.down = (mat(f"mlp.{n}_proj") for n in ("gate", "up", "down"))
+        self.qkv_proj = gb.matmul_weight(np.concatenate([mat(f"self_attn.{n}_proj") for n in "qkv"]),
+                                    f"{lp}.self_attn.qkv_proj")
+        self.o = gb.matmul_weight(mat("self_attn.o_proj"), f"{lp}.self_attn.o_proj")
+        self.gate_up_proj = gb.matmul_weight(np.concatenate([mat("mlp.gate_proj"), mat("mlp.up_proj")]),
+                                        f"{lp}.mlp.gate_up_proj")
+        self.down = gb.matmul_weight(mat("mlp.down_proj"), f"{lp}.mlp.down_proj")
+
+    def input_norm(self, gb: GraphBuilder, x: str, delta: str | None) -> tuple[str, str]:
+        """(input RMSNorm of the residual stream, the stream): the stream is ``x + delta`` (the previous
+        layer's MLP output, added inside the norm) or ``x`` alone."""
+        if delta is None:
+            return gb.rms_norm_named(x, self.ln1, self.spec.rms_eps), x
+        return gb.skip_rms_norm(x, delta, self.ln1, self.spec.rms_eps)
+
+    def heads(self, gb: GraphBuilder, h: str) -> tuple[str, str, str]:
+        """Normed input [B, T, hidden] → time-major q [B, T, H, D], k and v [B, T, KV, D]: the packed
+        projection, split, then q/k RMSNorm over head_dim (no RoPE)."""
+        s = self.spec
+        with gb.scope(f"{self.name}.self_attn"):
+            q, k, v = gb.op("Split", [gb.matmul(h, self.qkv_proj), gb.const([s.heads * s.head_dim, s.kv_heads * s.head_dim,
+                                                                        s.kv_heads * s.head_dim], np.int64)],
+                            n_out=3, axis=-1)
+            q = gb.rms_norm_named(gb.reshape(q, [0, 0, s.heads, s.head_dim]), self.q_norm, s.rms_eps)
+            k = gb.rms_norm_named(gb.reshape(k, [0, 0, s.kv_heads, s.head_dim]), self.k_norm, s.rms_eps)
+            return q, k, gb.reshape(v, [0, 0, s.kv_heads, s.head_dim])
 
     def project(self, gb: GraphBuilder, x: str, cos: str, sin: str) -> tuple[str, str, str]:
         """x [B, T, hidden] → time-major q [B, T, H, D], k and v [B, T, KV, D]: input RMSNorm,
-        projections, q/k RMSNorm over head_dim, then rotate-half RoPE (cos/sin broadcast as [., T, 1, D])."""
-        s = self.spec
-        h = gb.rms_norm_named(x, self.ln1, s.rms_eps)
+        :meth:`heads`, then rotate-half RoPE (cos/sin broadcast as [., T, 1, D])."""
+        q, k, v = self.heads(gb, self.input_norm(gb, x, None)[0])
         with gb.scope(f"{self.name}.self_attn"):
-            q = gb.reshape(gb.matmul(h, self.q), [0, 0, s.heads, s.head_dim])
-            k = gb.reshape(gb.matmul(h, self.k), [0, 0, s.kv_heads, s.head_dim])
-            v = gb.reshape(gb.matmul(h, self.v), [0, 0, s.kv_heads, s.head_dim])
-            q = gb.rope_rotate_half(gb.rms_norm_named(q, self.q_norm, s.rms_eps), cos, sin)
-            k = gb.rope_rotate_half(gb.rms_norm_named(k, self.k_norm, s.rms_eps), cos, sin)
-        return q, k, v
+            return gb.rope_rotate_half(q, cos, sin), gb.rope_rotate_half(k, cos, sin), v
 
     def qkv(self, gb: GraphBuilder, x: str, cos: str, sin: str) -> tuple[str, str, str]:
         """:meth:`project` in head-major layout: q [B, H, T, D], k and v [B, KV, T, D]."""
@@ -245,15 +281,26 @@ class Layer:
             att = gb.reshape(att, [0, 0, s.heads * s.head_dim])
         return self.output(gb, x, att)
 
+    def post_attention(self, gb: GraphBuilder, x: str, att: str) -> tuple[str, str]:
+        """o_proj of the attention output [B, T, H*D], added to the stream inside the post-attention
+        RMSNorm: (normed, stream)."""
+        with gb.scope(f"{self.name}.self_attn"):
+            delta = gb.matmul(att, self.o)
+        return gb.skip_rms_norm(x, delta, self.ln2, self.spec.rms_eps)
+
+    def mlp(self, gb: GraphBuilder, h: str) -> str:
+        """SwiGLU ``down(silu(gate h) * up h)`` with gate and up as one packed matmul."""
+        s = self.spec
+        with gb.scope(f"{self.name}.mlp"):
+            gate, up = gb.op("Split", [gb.matmul(h, self.gate_up_proj), gb.const([s.intermediate, s.intermediate], np.int64)],
+                             n_out=2, axis=-1)
+            return gb.matmul(gb.op("Mul", [gb.silu(gate), up]), self.down)
+
     def output(self, gb: GraphBuilder, x: str, att: str) -> str:
         """o_proj of the attention output [B, T, H*D] plus the residual, then the SwiGLU MLP block."""
-        s = self.spec
-        with gb.scope(f"{self.name}.self_attn"):
-            x = gb.op("Add", [x, gb.matmul(att, self.o)])
-        h = gb.rms_norm_named(x, self.ln2, s.rms_eps)
+        h, x = self.post_attention(gb, x, att)
         with gb.scope(f"{self.name}.mlp"):
-            mlp = gb.matmul(gb.op("Mul", [gb.silu(gb.matmul(h, self.gate)), gb.matmul(h, self.up)]), self.down)
-            return gb.op("Add", [x, mlp])
+            return gb.op("Add", [x, self.mlp(gb, h)])
 
 
 def kv_names(layer: int) -> tuple[str, str, str, str]:
@@ -262,20 +309,29 @@ def kv_names(layer: int) -> tuple[str, str, str, str]:
 
 
 # ---------------------------------------------------------------------------------------------- backbone
-def build_backbone(ckpt: Checkpoint, cfg: TTSConfig, path: Path, weight_dtype, matmul_bits: int = 8) -> GraphBuilder:
-    """grid [B, T, 17] + past_len [B] + per-layer KV slots [B, KV, capacity, D] → hidden [B, T, hidden].
+def build_backbone(ckpt: Checkpoint, cfg: TTSConfig, path: Path, weight_dtype, matmul_bits: int = 8,
+                   compute_dtype=np.float32) -> GraphBuilder:
+    """grid [B, T, 17] + position_ids [B, T] + seqlens_k [B] + total_sequence_length [] + per-layer KV slots [B, KV, capacity, D]
+    → hidden [B, T, hidden] (float32).
 
-    Attention is ``com.microsoft.GroupQueryAttention`` over the host's KV slots: stream ``b`` has
-    ``past_len[b]`` valid rows; the call writes the new rows' K (after q/k-norm and RoPE) and V at
-    ``past_len[b]..`` of ``present_*``, which the host binds to the same memory as ``past_*`` (in place:
-    no per-step copy that grows with the context) and attends only to each stream's valid rows. Streams
-    with different lengths share a call when T == 1; with T > 1 and past rows the batch must be 1
-    (GroupQueryAttention's rule), which is how prefills run.
+    RoPE is ``com.microsoft.RotaryEmbedding`` at the host's ``position_ids`` [B, T] (cos/sin tables of
+    ``max_positions`` rows; GroupQueryAttention's own ``do_rotary`` would save two nodes a layer but needs
+    head_dim % 16 == 0 on CPU, which the tiny golden models lack: one code path for both). Attention is
+    ``com.microsoft.GroupQueryAttention`` over the host's KV slots: stream ``b`` attends to its first
+    ``seqlens_k[b] + 1`` rows (its past rows plus the T new ones: the host supplies ``past_len + T - 1``)
+    and the call writes the new rows' K (after q/k-norm and RoPE) and V at ``past_len..`` of ``present_*``, which the host binds to the same memory as ``past_*`` (in place: no per-step
+    copy that grows with the context). ``total_sequence_length`` is the slot capacity, a constant of the
+    host's pool (no device-side reduction feeds the op's host-side shape input, and a captured graph can
+    replay it). Streams with different lengths share a call when T == 1; with T > 1 the batch must be 1
+    (GroupQueryAttention's rule), which is how prefills run. KV and activations are ``compute_dtype``.
     """
     s = cfg.backbone
-    gb = GraphBuilder("backbone", path, weight_dtype, matmul_bits=matmul_bits)
+    gb = GraphBuilder("backbone", path, weight_dtype, matmul_bits=matmul_bits, compute_dtype=compute_dtype)
     grid = gb.input("grid", INT64, ["batch", "rows", cfg.rvq + 1])
-    past_len = gb.input("past_len", INT64, ["batch"])
+    positions = gb.input("position_ids", INT64, ["batch", "rows"])
+    seqlens = gb.input("seqlens_k", INT32, ["batch"])
+    total = gb.input("total_sequence_length", INT32, [])
+    kv_shape = ["batch", s.kv_heads, "capacity", s.head_dim]
 
     # 17 lookups summed in column order (as upstream accumulates them)
     x = None
@@ -284,35 +340,34 @@ def build_backbone(ckpt: Checkpoint, cfg: TTSConfig, path: Path, weight_dtype, m
             ids = gb.op("Gather", [grid, gb.const(c, np.int64)], axis=2)                   # [B, T]
             e = gb.embedding(ids, ckpt.get(f"embed_tokens.{c}.weight", dtype=None), f"embed_tokens.{c}")
             x = e if x is None else gb.op("Add", [x, e])
-
     with gb.scope("rotary"):
-        n_new = gb.dim(grid, 1)
-        pos = gb.op("Add", [gb.unsqueeze(past_len, [1]), gb.unsqueeze(gb.arange(n_new), [0])])  # [B, T]
-        cos, sin = gb.rope_cos_sin(gb.cast(pos, FLOAT), s.inv_freq())                       # [B, T, D]
-        cos, sin = gb.unsqueeze(cos, [2]), gb.unsqueeze(sin, [2])                           # [B, T, 1, D]
-        # GroupQueryAttention's lengths: last valid row per stream, and the longest total length
-        seqlens = gb.cast(gb.op("Sub", [gb.op("Add", [past_len, n_new]), gb.const(1, np.int64)]), INT32)
-        total = gb.cast(gb.op("Add", [gb.op("ReduceMax", [past_len], keepdims=0), n_new]), INT32)
+        cos, sin = (gb.tensor(f"rotary.{n}_cache", t) for n, t in zip(("cos", "sin"), s.rope_cache(gb.compute_dtype)))
 
+    delta = None
     for i in range(s.layers):
         layer = Layer(gb, ckpt, s, i)
         pk, pv, ok, ov = kv_names(i)
-        gb.input(pk, FLOAT, ["batch", s.kv_heads, "capacity", s.head_dim])
-        gb.input(pv, FLOAT, ["batch", s.kv_heads, "capacity", s.head_dim])
-        q, k, v = layer.project(gb, x, cos, sin)
+        gb.input(pk, gb.float_type, kv_shape)
+        gb.input(pv, gb.float_type, kv_shape)
+        h, x = layer.input_norm(gb, x, delta)
+        q, k, v = layer.heads(gb, h)
         with gb.scope(f"{layer.name}.self_attn"):
+            q, k = (gb.op("RotaryEmbedding", [gb.reshape(t, [0, 0, n * s.head_dim]), positions, cos, sin],
+                          domain="com.microsoft", interleaved=0, num_heads=n)
+                    for t, n in ((q, s.heads), (k, s.kv_heads)))
             att = gb.op(
                 "GroupQueryAttention",
-                [gb.reshape(q, [0, 0, s.heads * s.head_dim]), gb.reshape(k, [0, 0, s.kv_heads * s.head_dim]),
-                 gb.reshape(v, [0, 0, s.kv_heads * s.head_dim]), pk, pv, seqlens, total],
+                [q, k, gb.reshape(v, [0, 0, s.kv_heads * s.head_dim]), pk, pv, seqlens, total],
                 outs=[gb.fresh("attn"), ok, ov], domain="com.microsoft", num_heads=s.heads,
                 kv_num_heads=s.kv_heads, scale=1.0 / math.sqrt(s.head_dim))[0]
-        x = layer.output(gb, x, att)
-        gb.declare_output(ok, FLOAT, ["batch", s.kv_heads, "capacity", s.head_dim])
-        gb.declare_output(ov, FLOAT, ["batch", s.kv_heads, "capacity", s.head_dim])
+        h, x = layer.post_attention(gb, x, att)
+        delta = layer.mlp(gb, h)
+        gb.declare_output(ok, gb.float_type, kv_shape)
+        gb.declare_output(ov, gb.float_type, kv_shape)
     with gb.scope(f"{BACKBONE}.norm"):
-        hidden = gb.rms_norm_named(x, gb.weight(f"{BACKBONE}.norm.weight", ckpt.get(f"{BACKBONE}.norm.weight")),
-                                   s.rms_eps)
+        norm = gb.weight(f"{BACKBONE}.norm.weight", ckpt.get(f"{BACKBONE}.norm.weight"))
+        hidden = gb.skip_rms_norm(x, delta, norm, s.rms_eps)[0]
+        hidden = hidden if gb.compute_dtype == np.float32 else gb.cast(hidden, FLOAT)
     gb.output(hidden, "hidden", FLOAT, ["batch", "rows", s.hidden])
     return gb
 
