@@ -13,9 +13,8 @@ sampling filter on its own (for tests).
 
 ``weight_dtype`` is how large weights are stored, ``compute_dtype`` what the backbone computes in
 (activations and its KV slots; see ``GraphBuilder``): its ``hidden`` output is float32 whatever it
-computes in, so the depth graph's interface does not depend on it. The depth graph and the sampler
-compute in float32 (a depth graph in float16 is ``build_depth``'s to make: pass ``compute_dtype`` to its
-GraphBuilder, cast the head logits to float32 and build the sampler inside ``gb.computing(np.float32)``).
+computes in, so the depth graph's interface does not depend on it. The depth transformer computes in
+``compute_dtype`` too; its head logits are cast to float32 and the sampler is built in float32.
 """
 
 from __future__ import annotations
@@ -491,44 +490,31 @@ def _sampling_inputs(gb: GraphBuilder) -> tuple[str, str, str, str]:
 
 
 # ---------------------------------------------------------------------------------------------- depth
-class DepthLayer:
-    """One local-transformer layer written with fused contrib ops, for one position of the unrolled frame.
-
-    Packed ``[q; k; v]`` and ``[gate; up]`` projections; q/k RMSNorm as one SimplifiedLayerNormalization over
-    every head of the packed projection (unit scale, then each head's own weight; v heads pass through);
-    GroupQueryAttention with its own rotary (cos/sin cache over the 16 positions) over this frame's earlier
-    positions; residual adds folded into SkipSimplifiedLayerNormalization.
-    """
+class DepthLayer(Layer):
+    """A local-transformer layer at one position of the unrolled frame: :class:`Layer`'s packed projections,
+    norms and MLP, with q/k RMSNorm as one SimplifiedLayerNormalization over every head of the packed
+    projection (unit scale, then each head's own weight; v heads pass through) and GroupQueryAttention over
+    this frame's earlier positions."""
 
     def __init__(self, gb: GraphBuilder, ckpt: Checkpoint, spec: StackSpec, index: int):
-        lp = f"{spec.prefix}.layers.{index}"
-        self.spec, self.name = spec, lp
-        get = lambda n: ckpt.get(f"{lp}.{n}")
-        self.ln1 = gb.weight(f"{lp}.input_layernorm.weight", get("input_layernorm.weight"))
-        self.ln2 = gb.weight(f"{lp}.post_attention_layernorm.weight", get("post_attention_layernorm.weight"))
-        self.qkv = gb.matmul_weight(np.concatenate([get(f"self_attn.{n}_proj.weight") for n in "qkv"]),
-                                    f"{lp}.self_attn.qkv_proj")
-        self.o = gb.matmul_weight(get("self_attn.o_proj.weight"), f"{lp}.self_attn.o_proj")
-        self.gate_up = gb.matmul_weight(np.concatenate([get("mlp.gate_proj.weight"), get("mlp.up_proj.weight")]),
-                                        f"{lp}.mlp.gate_up_proj")
-        self.down = gb.matmul_weight(get("mlp.down_proj.weight"), f"{lp}.mlp.down_proj")
+        super().__init__(gb, ckpt, spec, index)
+        get = lambda n: ckpt.get(f"{self.name}.self_attn.{n}.weight")
         ones = np.ones(spec.head_dim, np.float32)
-        heads = ([get("self_attn.q_norm.weight")] * spec.heads + [get("self_attn.k_norm.weight")] * spec.kv_heads
-                 + [ones] * spec.kv_heads)
-        # norm weights keep full precision (as every norm vector does; gb.weight would narrow this 2-D table)
-        self.qk_norm = gb.tensor(f"{lp}.self_attn.qk_norm.weight", np.stack(heads))          # [H + 2KV, D]
-        self.unit = gb.weight(f"{lp}.self_attn.qk_norm.unit", ones)
+        heads = [get("q_norm")] * spec.heads + [get("k_norm")] * spec.kv_heads + [ones] * spec.kv_heads
+        # a norm table: in the compute dtype as the norm vectors are (gb.weight would store it as a weight)
+        self.qk_norm = gb.tensor(f"{self.name}.self_attn.qk_norm.weight", np.stack(heads).astype(gb.compute_dtype))
+        self.unit = gb.weight(f"{self.name}.self_attn.qk_norm.unit", ones)
 
     def attend(self, gb: GraphBuilder, h: str, past: tuple[str, str] | None, seqlens: str, total: int,
                rope: str, values: str) -> tuple[str, tuple[str, str]]:
-        """Normed input h [B, 1, hidden] at position ``total - 1`` → (attention output after o_proj,
-        the (key, value) cache [B, KV, total, D] for the next position). ``rope`` is this position's
+        """Normed input h [B, 1, hidden] at position ``total - 1`` → (attention output [B, 1, H*D] for
+        :meth:`post_attention`, the (key, value) cache [B, KV, total, D] for the next position). ``rope`` is this position's
         rotate-half RoPE as a [D, D] matrix (cos on the diagonal, ±sin at the partner dimension: one MatMul
         instead of split/negate/concat/mul/mul/add); ``values`` [H + 2KV, 1] marks the v heads, which
         take neither norm nor rotation."""
         s = self.spec
         with gb.scope(f"{self.name}.self_attn"):
-            qkv = gb.reshape(gb.matmul(h, self.qkv), [0, -1, s.head_dim])                    # [B, H+2KV, D]
+            qkv = gb.reshape(gb.matmul(h, self.qkv_proj), [0, -1, s.head_dim])               # [B, H+2KV, D]
             qk = gb.op("Mul", [gb.rms_norm_named(qkv, self.unit, s.rms_eps), self.qk_norm])  # q/k RMSNorm
             qkv = gb.op("Where", [values, qkv, gb.op("MatMul", [qk, rope])])
             present = (gb.fresh("present_key"), gb.fresh("present_value"))
@@ -536,13 +522,7 @@ class DepthLayer:
             att = gb.op("GroupQueryAttention", inputs + [seqlens, gb.const(total, np.int32)],
                         outs=[gb.fresh("attn"), *present], domain="com.microsoft", num_heads=s.heads,
                         kv_num_heads=s.kv_heads, scale=1.0 / math.sqrt(s.head_dim))[0]
-            return gb.matmul(att, self.o), present
-
-    def mlp(self, gb: GraphBuilder, h: str) -> str:
-        """SwiGLU of the normed h [B, 1, hidden] (the residual add is the next norm's skip input)."""
-        with gb.scope(f"{self.name}.mlp"):
-            gate, up = gb.op("Split", [gb.matmul(h, self.gate_up)], n_out=2, axis=-1, num_outputs=2)
-            return gb.matmul(gb.op("Mul", [gb.silu(gate), up]), self.down)
+            return att, present
 
 
 def rope_matrix(spec: StackSpec, position: int) -> np.ndarray:
@@ -558,32 +538,32 @@ def rope_matrix(spec: StackSpec, position: int) -> np.ndarray:
     return m
 
 
-def skip_rms_norm(gb: GraphBuilder, x: str, delta: str, weight: str, eps: float) -> tuple[str, str]:
-    """(RMSNorm(x + delta) * weight, x + delta)."""
-    total = gb.op("Add", [x, delta])
-    return gb.rms_norm_named(total, weight, eps), total
-
-
-def build_depth(ckpt: Checkpoint, cfg: TTSConfig, path: Path, weight_dtype, matmul_bits: int = 8) -> GraphBuilder:
+def build_depth(ckpt: Checkpoint, cfg: TTSConfig, path: Path, weight_dtype, matmul_bits: int = 8,
+                compute_dtype=np.float32) -> GraphBuilder:
     """One whole frame: hidden [B, hidden] → codes [B, 16] and raw head logits [B, 16, V].
 
     Position 0 is the backbone hidden state, position p >= 1 the local embedding ``p-1`` of code
     ``p-1``; the 16 positions are unrolled and each attends to the K/V of the earlier ones (a cache of
     p rows at position p: every shape is a constant of the graph).
+
+    The transformer computes in ``compute_dtype``; the interface stays float32 (``hidden`` in, ``logits``
+    out) and the head logits are cast to float32 before the sampler, which is built in float32 so
+    penalties, temperature, top-k/top-p and the draw are the same whatever the transformer computes in.
     """
     s, V, N = cfg.local, cfg.audio_vocab, cfg.rvq
-    gb = GraphBuilder("depth", path, weight_dtype, matmul_bits=matmul_bits)
+    gb = GraphBuilder("depth", path, weight_dtype, matmul_bits=matmul_bits, compute_dtype=compute_dtype)
     hidden = gb.input("hidden", FLOAT, ["batch", s.hidden])
-    x = gb.unsqueeze(hidden, [1])                                                        # [B, 1, H]
+    x = gb.to_compute(gb.unsqueeze(hidden, [1]), np.float32)                             # [B, 1, H]
     history = gb.input("history", INT64, ["batch", "window", N])
     penalty, temperature, top_k, top_p = _sampling_inputs(gb)
     greedy = gb.input("greedy", BOOL, ["batch"])
     uniform = gb.input("uniform", FLOAT, ["batch", N])
-    greedy = gb.unsqueeze(gb.op("Or", [greedy, gb.op("LessOrEqual", [temperature, gb.const(0.0)])]), [1, 2])
-    rows = sampler_rows(gb, penalty, temperature, top_k, top_p, V, books=1)
-    # per-codebook slices, made once: the window's id marks [B, 1, V] and the uniforms [B, 1, 1]
-    seen = gb.op("Split", [history_marks(gb, history, V)], n_out=N, axis=1, num_outputs=N)
-    draws = gb.op("Split", [gb.unsqueeze(uniform, [2])], n_out=N, axis=1, num_outputs=N)
+    with gb.computing(np.float32):
+        greedy = gb.unsqueeze(gb.op("Or", [greedy, gb.op("LessOrEqual", [temperature, gb.const(0.0)])]), [1, 2])
+        rows = sampler_rows(gb, penalty, temperature, top_k, top_p, V, books=1)
+        # per-codebook slices, made once: the window's id marks [B, 1, V] and the uniforms [B, 1, 1]
+        seen = gb.op("Split", [history_marks(gb, history, V)], n_out=N, axis=1, num_outputs=N)
+        draws = gb.op("Split", [gb.unsqueeze(uniform, [2])], n_out=N, axis=1, num_outputs=N)
     with gb.scope("rotary"):
         # GroupQueryAttention's lengths: position p is the last of p + 1 valid rows
         no_rows = gb.op("ConstantOfShape", [gb.op("Shape", [hidden], start=0, end=1)],
@@ -600,23 +580,22 @@ def build_depth(ckpt: Checkpoint, cfg: TTSConfig, path: Path, weight_dtype, matm
     codes, all_logits = [], []
     for p in range(N):
         with gb.scope(f"codebook.{p}"):
-            with gb.scope(f"{layers[0].name}.input_layernorm"):
-                h = gb.rms_norm_named(x, layers[0].ln1, s.rms_eps)
+            delta = None
             for li, layer in enumerate(layers):
+                h, x = layer.input_norm(gb, x, delta)
                 att, caches[li] = layer.attend(gb, h, caches[li], seqlens[p], p + 1, ropes[p], values)
-                with gb.scope(f"{layer.name}.post_attention_layernorm"):
-                    h, x = skip_rms_norm(gb, x, att, layer.ln2, s.rms_eps)
+                h, x = layer.post_attention(gb, x, att)
                 delta = layer.mlp(gb, h)
-                nxt = layers[li + 1].ln1 if li + 1 < len(layers) else final_norm
-                with gb.scope(f"{layer.name}.residual_norm"):
-                    h, x = skip_rms_norm(gb, x, delta, nxt, s.rms_eps)
-            with gb.scope(f"local_transformer.local_lm_heads.{p}"):
-                logits = gb.matmul(h, heads[p])                                          # [B, 1, V]
+            with gb.scope(f"{LOCAL}.norm"):
+                h = gb.skip_rms_norm(x, delta, final_norm, s.rms_eps)[0]
+            with gb.scope(f"local_transformer.local_lm_heads.{p}"), gb.computing(np.float32):
+                logits = gb.to_compute(gb.matmul(h, heads[p]), compute_dtype)              # [B, 1, V] float32
             all_logits.append(logits)
-            penalized, _, probs = filter_logits(gb, logits, seen[p], rows, V)
-            with gb.scope("sampling.draw"):
-                argmax = gb.op("ArgMax", [penalized], axis=-1, keepdims=1)                  # [B, 1, 1]
-                code = gb.squeeze(gb.op("Where", [greedy, argmax, _draw(gb, probs, draws[p], V)]), [2])  # [B, 1]
+            with gb.computing(np.float32):
+                penalized, _, probs = filter_logits(gb, logits, seen[p], rows, V)
+                with gb.scope("sampling.draw"):
+                    argmax = gb.op("ArgMax", [penalized], axis=-1, keepdims=1)              # [B, 1, 1]
+                    code = gb.squeeze(gb.op("Where", [greedy, argmax, _draw(gb, probs, draws[p], V)]), [2])  # [B, 1]
             codes.append(code)
             if p + 1 < N:
                 x = gb.embedding(code, ckpt.get(f"{LOCAL}.embed_tokens.{p}.weight", dtype=None),

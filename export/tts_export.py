@@ -27,7 +27,8 @@ def export_tts(model_dir: str | Path, writer: BundleWriter, dtype: str = "fp32",
     """Write ``backbone.onnx``, ``depth.onnx``, ``sampling_filter.onnx`` and the manifest's ``tts`` section.
 
     ``compute_dtype`` (fp32, fp16, bf16) is what the backbone computes in and keeps its KV in (fp16 runs
-    on CPU and CUDA, bf16 on CUDA only); the depth graph and the sampler compute in float32 for now.
+    on CPU and CUDA, bf16 on CUDA only); the depth transformer too, with its logits cast to float32 for the
+    in-graph sampler.
 
     Fails before writing anything with the list of missing (or misshapen) tensors, and afterwards if the
     checkpoint holds tensors the exporter did not map (``language_model.embed_tokens.weight`` is dead
@@ -47,8 +48,10 @@ def export_tts(model_dir: str | Path, writer: BundleWriter, dtype: str = "fp32",
     writer.add_graph(build_backbone(ckpt, cfg, writer.graph_path(GRAPHS["backbone"]), weight_dtype, bits,
                                     COMPUTE_DTYPES[compute_dtype]),
                      "MOSS-TTS-Realtime backbone: grid rows + KV buffer → hidden + new K/V")
-    progress(f"tts depth ({cfg.local.layers} local layers x {cfg.rvq} positions, {dtype})")
-    writer.add_graph(build_depth(ckpt, cfg, writer.graph_path(GRAPHS["depth"]), weight_dtype, bits),
+    progress(f"tts depth ({cfg.local.layers} local layers x {cfg.rvq} positions, {dtype} weights, "
+             f"{compute_dtype} compute)")
+    writer.add_graph(build_depth(ckpt, cfg, writer.graph_path(GRAPHS["depth"]), weight_dtype, bits,
+                                 COMPUTE_DTYPES[compute_dtype]),
                      "MOSS-TTS-Realtime local transformer: one 16-code frame, sampling inside")
     progress("tts sampling filter")
     writer.add_graph(build_sampling_filter(writer.graph_path(GRAPHS["sampling_filter"]), cfg.audio_vocab, cfg.rvq),

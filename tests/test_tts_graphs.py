@@ -404,7 +404,7 @@ def test_depth_is_written_with_fused_ops(tts_bundle_dir):
     per_position = cfg["layers"] * 16
     assert ops.count("GroupQueryAttention") == per_position and "Transpose" not in ops[-100:]
     assert ops.count("MatMul") + ops.count("MatMulNBits") == per_position * 5 + 16   # qkv, rope, o, gate_up, down; heads
-    assert len(nodes) <= 3100, len(nodes)
+    assert len(nodes) <= 1750, len(nodes)
 
 
 # ---------------------------------------------------------------------------------------------- reduced precision
@@ -647,4 +647,37 @@ def test_fp16_compute_on_cpu(tts_bundle_dir, tts_bundle_for):
     print(f"fp16 compute: teacher-forced hidden relative error median {np.median(rel):.2e} max {np.max(rel):.2e}; "
           "greedy code agreement " + ", ".join(f"{k} {v:.2%}" for k, v in rates.items()))
     assert np.median(rel) < 2e-3 and np.max(rel) < 1e-2
-    assert rates["teacher_forced"] >= 0.95 and rates["codebook0"] >= 0.97 and rates["free_running"] >= 0.8
+    # free running follows the first flip: with the depth graph in fp16 too, voice_clone flips at frame 1,
+    # codebook 14 (golden top-2 margin 2.3e-3) and both of its runs diverge from there (48% measured)
+    assert rates["teacher_forced"] >= 0.95 and rates["codebook0"] >= 0.97 and rates["free_running"] >= 0.4
+
+
+def test_fp16_depth_keeps_a_float32_sampler(tts_bundle_dir, tts_bundle_for):
+    """The depth transformer computes in fp16 and its head logits are cast to float32 for the sampler, so the
+    interface is unchanged; teacher-forced against the fp32 depth graph (golden hidden states and history),
+    the logits of the codebooks whose inputs agree stay close and the codes agree per codebook."""
+    import onnx
+
+    fp16_dir = tts_bundle_for("fp16", "fp16")
+    manifest = json.loads((fp16_dir / "manifest.json").read_text())["graphs"]["depth"]
+    assert {v["dtype"] for v in manifest["inputs"] + manifest["outputs"] if v["name"] in ("hidden", "logits")} == {"float32"}
+    graph = onnx.load(str(fp16_dir / "depth.onnx"), load_external_data=False).graph
+    casts = [n for n in graph.node if n.op_type == "Cast" and n.attribute[0].i == onnx.TensorProto.FLOAT]
+    assert len([n for n in casts if "local_lm_heads" in n.name]) == 16          # one per head, nothing else
+    g32, g16 = Graphs(tts_bundle_dir), Graphs(fp16_dir)
+    rel, agree, frames = [], np.zeros(16), 0
+    for case in CASES:
+        gd = tts_golden(case)
+        for penalty, rep in ((1.0, "greedy"), (1.1, "greedy_rep")):
+            raw, hidden = gd[f"{rep}_raw_frames"], gd[f"{rep}_step_hidden"]
+            for f in range(len(raw)):
+                hist = history_of(list(raw[:f]), penalty)
+                (c32, l32), (c16, l16) = g32.frame(hidden[f][None], hist, penalty), g16.frame(hidden[f][None], hist, penalty)
+                same_inputs = np.concatenate([[True], np.cumprod(c32[0] == c16[0])[:-1] > 0])
+                rel += list(np.linalg.norm(l16[0] - l32[0], axis=-1)[same_inputs] / np.linalg.norm(l32[0], axis=-1)[same_inputs])
+                agree += c32[0] == c16[0]
+                frames += 1
+    print(f"fp16 depth vs fp32: logits relative error median {np.median(rel):.2e} max {np.max(rel):.2e}; code agreement "
+          f"per codebook {' '.join(f'{a / frames:.0%}' for a in agree)} (all {agree.sum() / agree.size / frames:.2%})")
+    assert np.median(rel) < 3e-3 and np.max(rel) < 2e-2
+    assert agree.sum() / (16 * frames) >= 0.95 and agree[0] / frames >= 0.97
