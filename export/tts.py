@@ -243,12 +243,9 @@ class Layer:
         projection, split, then q/k RMSNorm over head_dim (no RoPE)."""
         s = self.spec
         with gb.scope(f"{self.name}.self_attn"):
-            q, k, v = gb.op("Split", [gb.matmul(h, self.qkv_proj), gb.const([s.heads * s.head_dim, s.kv_heads * s.head_dim,
-                                                                        s.kv_heads * s.head_dim], np.int64)],
-                            n_out=3, axis=-1)
-            q = gb.rms_norm_named(gb.reshape(q, [0, 0, s.heads, s.head_dim]), self.q_norm, s.rms_eps)
-            k = gb.rms_norm_named(gb.reshape(k, [0, 0, s.kv_heads, s.head_dim]), self.k_norm, s.rms_eps)
-            return q, k, gb.reshape(v, [0, 0, s.kv_heads, s.head_dim])
+            qkv = gb.reshape(gb.matmul(h, self.qkv_proj), [0, 0, s.heads + 2 * s.kv_heads, s.head_dim])
+            q, k, v = gb.op("Split", [qkv, gb.const([s.heads, s.kv_heads, s.kv_heads], np.int64)], n_out=3, axis=2)
+            return gb.rms_norm_named(q, self.q_norm, s.rms_eps), gb.rms_norm_named(k, self.k_norm, s.rms_eps), v
 
     def project(self, gb: GraphBuilder, x: str, cos: str, sin: str) -> tuple[str, str, str]:
         """x [B, T, hidden] → time-major q [B, T, H, D], k and v [B, T, KV, D]: input RMSNorm,
@@ -332,13 +329,14 @@ def build_backbone(ckpt: Checkpoint, cfg: TTSConfig, path: Path, weight_dtype, m
     total = gb.input("total_sequence_length", INT32, [])
     kv_shape = ["batch", s.kv_heads, "capacity", s.head_dim]
 
-    # 17 lookups summed in column order (as upstream accumulates them)
-    x = None
+    # 17 lookups in one: the tables stacked, each column's ids offset to its table, the rows summed over
+    # the columns in column order (as upstream accumulates them)
     with gb.scope("embed_tokens"):
-        for c in range(cfg.rvq + 1):
-            ids = gb.op("Gather", [grid, gb.const(c, np.int64)], axis=2)                   # [B, T]
-            e = gb.embedding(ids, ckpt.get(f"embed_tokens.{c}.weight", dtype=None), f"embed_tokens.{c}")
-            x = e if x is None else gb.op("Add", [x, e])
+        tables = [ckpt.get(f"embed_tokens.{c}.weight", dtype=None) for c in range(cfg.rvq + 1)]
+        offsets = np.cumsum([0] + [len(t) for t in tables[:-1]]).astype(np.int64)
+        ids = gb.op("Add", [grid, gb.const(offsets, np.int64)])                              # [B, T, 17]
+        rows = gb.embedding(ids, np.concatenate(tables), "embed_tokens")                    # [B, T, 17, H]
+        x = gb.op("ReduceSum", [rows, gb.const([2], np.int64)], keepdims=0)
     with gb.scope("rotary"):
         cos, sin = (gb.tensor(f"rotary.{n}_cache", t) for n, t in zip(("cos", "sin"), s.rope_cache(gb.compute_dtype)))
 

@@ -514,7 +514,7 @@ def test_int8_storage(tts_bundle_dir, tts_bundle_for):
     dtypes = {t.name: t.data_type for t in model.graph.initializer}
     assert dtypes["language_model.layers.0.self_attn.qkv_proj.qw"] == onnx.TensorProto.UINT8
     assert dtypes["language_model.layers.0.self_attn.qkv_proj.qw_scale"] == onnx.TensorProto.FLOAT
-    assert dtypes["embed_tokens.0.stored"] == onnx.TensorProto.FLOAT16
+    assert dtypes["embed_tokens.stored"] == onnx.TensorProto.FLOAT16     # the 17 tables, stacked
     assert not [t.name for t in model.graph.initializer if t.data_type == onnx.TensorProto.FLOAT and len(t.dims) == 2
                 and not t.name.startswith("rotary.")]    # RoPE tables are in the compute dtype
     ops = {n.op_type for n in model.graph.node}
@@ -595,7 +595,9 @@ def test_bad_config_and_dtype(tmp_path):
     with pytest.raises(CheckpointError, match="yarn"):
         parse_tts_config(cfg)
     with pytest.raises(ValueError, match="dtype"):
-        export_tts(TTS_CHECKPOINT, BundleWriter(tmp_path), dtype="bf16")
+        export_tts(TTS_CHECKPOINT, BundleWriter(tmp_path), dtype="int2")
+    with pytest.raises(ValueError, match="compute dtype"):
+        export_tts(TTS_CHECKPOINT, BundleWriter(tmp_path), compute_dtype="fp8")
 
 
 def test_fixtures_are_local():
