@@ -231,8 +231,9 @@ class TTSService:
         if key not in cache:
             kv = self.voices.load_prefix(rec)
             c = self.model.config
-            # a persisted entry holds the system block's rows, and the assistant header's after it
+            # a persisted entry holds the system block's rows, and the assistant header's after it; one of
+            # another dtype (or shape) is not used: the first stream with the voice recomputes it
             rows = (len(system), len(self.model.prompt.tts_prompt(codes)))
-            if kv is not None and kv.dtype == np.float32 and kv.ndim == 5 and kv.shape[3] in rows \
+            if kv is not None and kv.dtype == self.model.kv_dtype and kv.ndim == 5 and kv.shape[3] in rows \
                     and kv.shape[:3] + kv.shape[4:] == (c.layers, 2, c.kv_heads, c.head_dim):
                 cache.put(key, kv)

@@ -11,22 +11,32 @@ the very same graphs run, and every test exercises them.
 from __future__ import annotations
 
 
+import ml_dtypes
 import numpy as np
 import onnx
 import onnxruntime as ort
 from onnx import TensorProto, helper
 
-ELEMENT = {np.dtype(np.float32): TensorProto.FLOAT}
+# the float types a bundle computes in (its manifest's compute_dtype) and their ONNX element types
+KV_DTYPES = {"fp32": np.dtype(np.float32), "fp16": np.dtype(np.float16), "bf16": np.dtype(ml_dtypes.bfloat16)}
+ELEMENT = {np.dtype(np.float32): TensorProto.FLOAT, np.dtype(np.float16): TensorProto.FLOAT16,
+           np.dtype(ml_dtypes.bfloat16): TensorProto.BFLOAT16}
 
 
 class DeviceTensor:
-    """A float32 tensor on ``device`` whose leading axis can be bound in contiguous pieces."""
+    """A tensor of ``dtype`` (a float type of :data:`ELEMENT`) on ``device`` whose leading axis can be bound
+    in contiguous pieces."""
 
-    def __init__(self, shape: tuple[int, ...], device: str):
+    def __init__(self, shape: tuple[int, ...], device: str, dtype: np.dtype = np.dtype(np.float32)):
         self.shape = tuple(int(s) for s in shape)
         self.device = device
-        self.value = ort.OrtValue.ortvalue_from_shape_and_type(list(self.shape), np.float32, device, 0)
-        self.row_bytes = int(np.prod(self.shape[1:])) * 4     # bytes of one index of the leading axis
+        self.dtype = np.dtype(dtype)
+        if self.dtype not in ELEMENT:
+            raise ValueError(f"device tensors hold {sorted(str(d) for d in ELEMENT)}, not {self.dtype}")
+        # element types as ONNX ints: onnxruntime's Python API takes no numpy bfloat16
+        self.value = ort.OrtValue.ortvalue_from_shape_and_type(list(self.shape), ELEMENT[self.dtype], device, 0)
+        # bytes of one index of the leading axis
+        self.row_bytes = int(np.prod(self.shape[1:])) * self.dtype.itemsize
 
     def view(self, start: int, count: int) -> tuple[int, list[int]]:
         """(pointer, shape) of ``tensor[start:start+count]``."""
@@ -34,11 +44,11 @@ class DeviceTensor:
 
     def bind_input(self, binding: ort.IOBinding, name: str, start: int, count: int) -> None:
         ptr, shape = self.view(start, count)
-        binding.bind_input(name, self.device, 0, np.float32, shape, ptr)
+        binding.bind_input(name, self.device, 0, ELEMENT[self.dtype], shape, ptr)
 
     def bind_output(self, binding: ort.IOBinding, name: str, start: int, count: int) -> None:
         ptr, shape = self.view(start, count)
-        binding.bind_output(name, self.device, 0, np.float32, shape, ptr)
+        binding.bind_output(name, self.device, 0, ELEMENT[self.dtype], shape, ptr)
 
 
 def _graph(name: str, nodes, inputs, outputs) -> bytes:
@@ -51,11 +61,12 @@ def _graph(name: str, nodes, inputs, outputs) -> bytes:
 
 class SlotRows:
     """Row operations on ``count`` tensors ``[slots, heads, rows, dim]`` that share a layout (a layer's K and V
-    across all layers): write host rows into a slot, copy a slot's first rows to another slot, read them."""
+    across all layers): write host rows into a slot, copy a slot's first rows to another slot, read them.
+    Rows move in the tensors' own ``dtype`` (host copies too: a float16 slot's rows are float16)."""
 
-    def __init__(self, count: int, heads: int, dim: int, providers: list[str]):
-        self.count, self.heads, self.dim = count, heads, dim
-        f, i64 = TensorProto.FLOAT, TensorProto.INT64
+    def __init__(self, count: int, heads: int, dim: int, providers: list[str], dtype: np.dtype = np.dtype(np.float32)):
+        self.count, self.heads, self.dim, self.dtype = count, heads, dim, np.dtype(dtype)
+        f, i64 = ELEMENT[self.dtype], TensorProto.INT64
         slot = lambda n: helper.make_tensor_value_info(n, f, [1, heads, "rows", dim])
         rows = lambda n: helper.make_tensor_value_info(n, f, [1, heads, "n", dim])
         n_in = helper.make_tensor_value_info("n", i64, [1])
@@ -108,8 +119,9 @@ class SlotRows:
         session = self._sessions["write"]
         binding = session.io_binding()
         self._bind_dst(binding, tensors, slot)
+        host = np.ascontiguousarray(rows, dtype=self.dtype)
         for k in range(len(tensors)):
-            binding.bind_cpu_input(f"upd.{k}", np.ascontiguousarray(rows[k][None], dtype=np.float32))
+            self._bind_host(binding.bind_input, f"upd.{k}", host[k][None])
         binding.bind_cpu_input("n", np.array([rows.shape[2]], np.int64))
         session.run_with_iobinding(binding)
 
@@ -129,9 +141,15 @@ class SlotRows:
         """Rows 0..n-1 of ``slot`` of every tensor, on the host: [count, heads, n, dim]."""
         session = self._sessions["read"]
         binding = session.io_binding()
+        out = np.empty((len(tensors), 1, self.heads, n, self.dim), self.dtype)
         for k, t in enumerate(tensors):
             t.bind_input(binding, f"src.{k}", slot, 1)
-            binding.bind_output(f"rows.{k}", "cpu")
+            self._bind_host(binding.bind_output, f"rows.{k}", out[k])
         binding.bind_cpu_input("n", np.array([n], np.int64))
         session.run_with_iobinding(binding)
-        return np.stack([v.numpy()[0] for v in binding.get_outputs()])
+        return out[:, 0]
+
+    def _bind_host(self, bind, name: str, array: np.ndarray) -> None:
+        """Bind a contiguous host array by pointer with the ONNX element type (so bfloat16 works too); the
+        caller keeps ``array`` alive until the run ends."""
+        bind(name, "cpu", 0, ELEMENT[self.dtype], list(array.shape), array.ctypes.data)

@@ -30,15 +30,19 @@ class BackboneKVPool:
     """
 
     def __init__(self, layers: int, kv_heads: int, head_dim: int, slots: int, rows: int,
-                 device: str = "cpu", providers: list[str] | None = None):
+                 device: str = "cpu", providers: list[str] | None = None, dtype: np.dtype = np.dtype(np.float32)):
         self.layers, self.slots, self.rows = layers, slots, rows
-        self.tensors = [DeviceTensor((slots, kv_heads, rows + 1, head_dim), device) for _ in range(2 * layers)]
-        self._rows = SlotRows(2 * layers, kv_heads, head_dim, providers or ["CPUExecutionProvider"])
+        self.capacity = rows + 1          # rows per slot in memory, the backbone's total_sequence_length
+        self.dtype = np.dtype(dtype)      # the bundle's compute dtype: cached prefixes are kept in it too
+        self.tensors = [DeviceTensor((slots, kv_heads, rows + 1, head_dim), device, self.dtype)
+                        for _ in range(2 * layers)]
+        self._rows = SlotRows(2 * layers, kv_heads, head_dim, providers or ["CPUExecutionProvider"], self.dtype)
         self.lengths = np.zeros(slots, np.int64)
 
     @staticmethod
-    def bytes_per_slot(layers: int, kv_heads: int, head_dim: int, rows: int) -> int:
-        return layers * 2 * kv_heads * (rows + 1) * head_dim * 4
+    def bytes_per_slot(layers: int, kv_heads: int, head_dim: int, rows: int,
+                       dtype: np.dtype = np.dtype(np.float32)) -> int:
+        return layers * 2 * kv_heads * (rows + 1) * head_dim * np.dtype(dtype).itemsize
 
     @property
     def nbytes_per_slot(self) -> int:

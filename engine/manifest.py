@@ -15,7 +15,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 FORMAT = "mossrt-bundle"
 # 2: the backbone attends with GroupQueryAttention over a fixed KV slot it updates in place.
-FORMAT_VERSION = 2
+# 3: the host supplies the backbone's position_ids, seqlens_k and total_sequence_length (no past_len);
+#    tts.compute_dtype (absent: fp32) is the type of its activations and KV.
+FORMAT_VERSION = 3
 
 _PLAIN_NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
 
@@ -105,6 +107,7 @@ class StackConfig(_Model):
     rms_eps: float = Field(gt=0)
     rope_theta: float = Field(gt=0)
     rope_factor: float = Field(gt=0)
+    max_positions: int | None = Field(default=None, ge=1)   # rows of the backbone's RoPE tables
 
 
 class TTSConfig(_Model):
@@ -127,7 +130,8 @@ class TTSConfig(_Model):
 
 
 class TTSSection(_Model):
-    dtype: Literal["fp32", "fp16", "int8", "int4"]
+    dtype: Literal["fp32", "fp16", "bf16", "int8", "int4"]
+    compute_dtype: Literal["fp32", "fp16", "bf16"] = "fp32"
     config: TTSConfig
 
 

@@ -12,7 +12,8 @@ import numpy as np
 
 from .bundle import Bundle
 from .codec import Codec
-from .errors import GraphError, InputError
+from .device import KV_DTYPES
+from .errors import BundleError, GraphError, InputError
 from .kv import BackboneKVPool
 from .prompt import GridLayout, PromptBuilder
 from .sampling import SamplingParams
@@ -20,12 +21,25 @@ from .timing import CallTiming
 from .tokenizer import TextTokenizer
 
 
+def check_compute_dtype(compute_dtype: str, device: str) -> None:
+    """bf16 bundles run on CUDA only: onnxruntime's CPU provider has no bfloat16 kernels for most of the
+    backbone's ops (GroupQueryAttention, MatMul, the fused norms), so a bf16 bundle is refused on CPU
+    rather than left to fail at its first call."""
+    if compute_dtype == "bf16" and device != "cuda":
+        raise BundleError("this bundle computes in bf16, which runs on the CUDA provider only: use --device cuda, "
+                          "or export with --compute-dtype fp16 (or fp32) for CPU")
+
+
 class TTSModel:
     """The TTS graphs of a bundle plus everything derived from its manifest (layout, defaults, tokenizer)."""
 
     def __init__(self, bundle: Bundle, codec: Codec | None = None):
         self.bundle = bundle
-        self.config = bundle.section("tts").config
+        tts = bundle.section("tts")
+        self.config = tts.config
+        self.compute_dtype = tts.compute_dtype
+        check_compute_dtype(tts.compute_dtype, bundle.device)
+        self.kv_dtype = KV_DTYPES[tts.compute_dtype]     # backbone KV slots and cached prefixes
         self.tokenizer = TextTokenizer.from_bundle(bundle)
         self.codec = codec or Codec(bundle)
         gen = bundle.section("generation")
@@ -46,11 +60,16 @@ class TTSModel:
 
     def kv_pool(self, slots: int, rows: int) -> BackboneKVPool:
         c = self.config
-        return BackboneKVPool(c.layers, c.kv_heads, c.head_dim, slots, rows, self.bundle.device, self.bundle.providers)
+        positions = c.backbone.max_positions
+        if positions is not None and rows + 1 > positions:
+            raise InputError(f"{rows} context rows need {rows + 1} RoPE positions; this bundle's backbone has "
+                             f"{positions} (max_position_embeddings): lower max_context_rows")
+        return BackboneKVPool(c.layers, c.kv_heads, c.head_dim, slots, rows, self.bundle.device, self.bundle.providers,
+                              self.kv_dtype)
 
     def kv_bytes_per_slot(self, rows: int) -> int:
         c = self.config
-        return BackboneKVPool.bytes_per_slot(c.layers, c.kv_heads, c.head_dim, rows)
+        return BackboneKVPool.bytes_per_slot(c.layers, c.kv_heads, c.head_dim, rows, self.kv_dtype)
 
     def check_text_ids(self, ids) -> np.ndarray:
         """Token ids as a flat int64 array, each a valid row of the text embedding."""
@@ -76,7 +95,12 @@ class TTSModel:
         binding = self._backbone.io_binding()
         binding.bind_output("hidden", "cpu")
         binding.bind_cpu_input("grid", np.ascontiguousarray(grid, dtype=np.int64))
-        binding.bind_cpu_input("past_len", pool.lengths[lo:hi])
+        # GroupQueryAttention's lengths, from the host: each row's last valid KV row after this call, and
+        # the slot capacity (a constant: the same for every call on this pool)
+        positions = pool.lengths[lo:hi, None] + np.arange(grid.shape[1], dtype=np.int64)[None]
+        binding.bind_cpu_input("position_ids", positions)
+        binding.bind_cpu_input("seqlens_k", (pool.lengths[lo:hi] + (grid.shape[1] - 1)).astype(np.int32))
+        binding.bind_cpu_input("total_sequence_length", np.array(pool.capacity, np.int32))
         pool.bind(binding, lo, hi)
         t1 = time.perf_counter()
         self._backbone.run_with_iobinding(binding)

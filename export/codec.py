@@ -130,49 +130,58 @@ def _unpatch(gb: GraphBuilder, x: str, h: int, channels: int) -> str:
     return gb.reshape(gb.transpose(y, [0, 1, 3, 2]), [0, -1, channels // h])
 
 
-def _rope_interleaved(gb: GraphBuilder, x: str, cos: str, sin: str) -> str:
-    """Rotate pairs (x[2i], x[2i+1]) of [B, H, T, D] by angles given as [B, 1, T, D/2, 1] cos/sin."""
-    pairs = gb.reshape(x, [0, 0, 0, -1, 2])
-    re, im = gb.op("Split", [pairs, gb.const([1, 1], np.int64)], n_out=2, axis=-1)
-    out_re = gb.op("Sub", [gb.op("Mul", [re, cos]), gb.op("Mul", [im, sin])])
-    out_im = gb.op("Add", [gb.op("Mul", [re, sin]), gb.op("Mul", [im, cos])])
-    return gb.reshape(gb.concat([out_re, out_im], -1), [0, 0, 0, -1])
+def _window_bias(gb: GraphBuilder, pos0: str, pos: str, past_rows: int, context: int) -> str:
+    """Additive attention bias [B, 1, T, C+T] for queries at ``pos[b, i] = pos0[b] + i`` over the ring and
+    the new rows.
 
-
-def _window_bias(gb: GraphBuilder, pos0: str, n_new: str, past_rows: int, context: int) -> str:
-    """Additive attention bias [B, 1, T, C+T] for queries at ``pos0[b] + i`` over the ring and the new rows.
-
-    Ring slot j holds position ``p_j = P - C + ((j - P) mod C)`` (valid when ``p_j >= 0``); a key is
-    visible to a query iff ``0 <= q - k < context``.
+    Ring slot j holds position ``P - C + ((j - P) mod C)`` (valid when >= 0), new row k position ``P + k``;
+    a key is visible to a query iff it is valid and ``0 <= q - k < context``.
     """
     C = past_rows
     P = gb.unsqueeze(pos0, [1])                                               # [B, 1]
-    i = gb.unsqueeze(gb.arange(n_new), [0])                                   # [1, T]
-    q = gb.unsqueeze(gb.op("Add", [P, i]), [2])                               # [B, T, 1]
-    j = gb.const(np.arange(C, dtype=np.int64)[None, :], np.int64)             # [1, C]
-    pj = gb.op("Add", [gb.op("Sub", [P, gb.const(C, np.int64)]),
-                       gb.op("Mod", [gb.op("Sub", [j, P]), gb.const(C, np.int64)], fmod=0)])  # [B, C]
-    pj = gb.unsqueeze(pj, [1])                                                # [B, 1, C]
-    past_ok = gb.op("And", [gb.op("GreaterOrEqual", [pj, gb.const(0, np.int64)]),
-                            gb.op("Less", [gb.op("Sub", [q, pj]), gb.const(context, np.int64)])])
-    k = gb.unsqueeze(gb.arange(n_new), [0])                                   # [1, T]
-    d = gb.op("Sub", [gb.unsqueeze(gb.arange(n_new), [1]), k])                # [T, T]
-    new_ok = gb.op("And", [gb.op("GreaterOrEqual", [d, gb.const(0, np.int64)]),
-                           gb.op("Less", [d, gb.const(context, np.int64)])])
-    new_ok = gb.op("Expand", [gb.unsqueeze(new_ok, [0]),
-                              gb.concat([gb.op("Shape", [pos0]), gb.const([1, 1], np.int64)], 0)])
-    ok = gb.concat([past_ok, new_ok], 2)                                      # [B, T, C+T]
-    bias = gb.op("Where", [ok, gb.const(0.0), gb.const(np.finfo(np.float32).min)])
-    return gb.unsqueeze(bias, [1])
+    ring = gb.op("Add", [gb.op("Sub", [P, gb.const(C, np.int64)]),
+                         gb.op("Mod", [gb.op("Sub", [gb.const(np.arange(C)[None, :], np.int64), P]),
+                                       gb.const(C, np.int64)], fmod=0)])       # [B, C]
+    keys = gb.unsqueeze(gb.concat([ring, pos], 1), [1])                       # [B, 1, C+T]
+    d = gb.op("Sub", [gb.unsqueeze(pos, [2]), keys])                          # [B, T, C+T]
+    zero = gb.const(0, np.int64)
+    ok = gb.op("And", [gb.op("And", [gb.op("GreaterOrEqual", [keys, zero]), gb.op("GreaterOrEqual", [d, zero])]),
+                       gb.op("Less", [d, gb.const(context, np.int64)])])
+    return gb.unsqueeze(gb.op("Where", [ok, gb.const(0.0), gb.const(np.finfo(np.float32).min)]), [1])
 
 
 def past_names(side: str, stage: int, layer: int) -> tuple[str, str]:
     return f"{side}.past_key.{stage}.{layer}", f"{side}.past_value.{stage}.{layer}"
 
 
+def _rotary_tables(gb: GraphBuilder, pos: str, spec: StageSpec) -> tuple[str, str, str]:
+    """(position_ids [B, T], cos_cache, sin_cache [B*T, D/2]) for ``com.microsoft.RotaryEmbedding`` at the
+    positions ``pos`` [B, T]: row ``b*T + i`` of the caches holds the angles of ``pos[b, i]``, so the caches
+    cover exactly this call's positions, however far the stream has run. Upstream RoPE (moshi style):
+    freqs = exp(i * -ln(max_period) * 2 / D), angles pos * freqs in float32."""
+    Dh = spec.head_dim
+    freqs = np.exp(np.arange(Dh // 2, dtype=np.float32) * np.float32(-math.log(spec.max_period) * 2 / Dh))
+    ang = gb.reshape(gb.op("Mul", [gb.unsqueeze(gb.cast(pos, FLOAT), [2]), gb.const(freqs)]), [-1, Dh // 2])
+    ids = gb.op("Reshape", [gb.arange(gb.op("Size", [pos])), gb.op("Shape", [pos])])
+    return ids, gb.op("Cos", [ang]), gb.op("Sin", [ang])
+
+
+def _skip_layer_norm(gb: GraphBuilder, x: str, delta: str, weight: np.ndarray, bias: np.ndarray, name: str) -> tuple[str, str]:
+    """(LayerNorm(x + delta), x + delta) in one ``com.microsoft.SkipLayerNormalization``."""
+    y, _, _, total = gb.op("SkipLayerNormalization", [x, delta, gb.weight(name + ".weight", weight),
+                                                      gb.weight(name + ".bias", bias)],
+                           outs=[gb.fresh("skip_layer_norm"), "", "", gb.fresh("residual")], domain="com.microsoft",
+                           epsilon=1e-5)
+    return y, total
+
+
 def _stage(gb: GraphBuilder, ckpt: Checkpoint, x: str, spec: StageSpec, frame_pos: str, side: str,
            index: int) -> tuple[str, str]:
-    """One ProjectedTransformer over time-major x [B, T, in]; returns (y [B, T, out], present [L,2,B,H,T,Dh])."""
+    """One ProjectedTransformer over time-major x [B, T, in]; returns (y [B, T, out], present [L,2,B,H,T,Dh]).
+
+    Per layer: LayerNorm (the residual add fused in: SkipLayerNormalization), the packed in_proj, interleaved
+    RoPE (RotaryEmbedding), MultiHeadAttention over the ring and the new rows (its present holds both: the
+    new rows are its last T), out_proj and linear2 with the layer scales folded into their weights, GELU."""
     p, H, Dh, D = spec.module, spec.heads, spec.head_dim, spec.d_model
     if f"{p}.input_proj.weight" in ckpt:
         x = gb.linear(x, ckpt.get(f"{p}.input_proj.weight"), f"{p}.input_proj")
@@ -180,38 +189,43 @@ def _stage(gb: GraphBuilder, ckpt: Checkpoint, x: str, spec: StageSpec, frame_po
         raise CheckpointError(f"missing tensor {p}.input_proj.weight")
     n_new = gb.dim(x, 1)
     pos0 = gb.op("Mul", [frame_pos, gb.const(spec.tokens_per_frame, np.int64)])
-    bias = _window_bias(gb, pos0, n_new, spec.past_rows, spec.context)
-    # Upstream RoPE (moshi style): freqs = exp(i * -ln(max_period) * 2 / D) and angles pos * freqs in fp32.
-    freqs = np.exp(np.arange(Dh // 2, dtype=np.float32) * np.float32(-math.log(spec.max_period) * 2 / Dh))
-    pos = gb.cast(gb.op("Add", [gb.unsqueeze(pos0, [1]), gb.unsqueeze(gb.arange(n_new), [0])]), FLOAT)  # [B, T]
-    ang = gb.op("Mul", [gb.unsqueeze(pos, [1, 3, 4]), gb.const(freqs.reshape(1, 1, 1, -1, 1))])     # [B,1,T,D/2,1]
-    cos, sin = gb.op("Cos", [ang]), gb.op("Sin", [ang])
-    presents = []
+    pos = gb.op("Add", [gb.unsqueeze(pos0, [1]), gb.unsqueeze(gb.arange(n_new), [0])])          # [B, T]
+    bias = _window_bias(gb, pos0, pos, spec.past_rows, spec.context)
+    rope = _rotary_tables(gb, pos, spec)
+    new_rows = gb.const([spec.past_rows], np.int64), gb.const([np.iinfo(np.int64).max], np.int64)
+    presents, delta = [], None
     for layer in range(spec.layers):
         lp = f"{p}.transformer.layers.{layer}"
+        get = lambda n: ckpt.get(f"{lp}.{n}")
         with gb.scope(lp):
-            h = gb.layer_norm(x, ckpt.get(f"{lp}.norm1.weight"), ckpt.get(f"{lp}.norm1.bias"), f"{lp}.norm1", 1e-5)
-            qkv = gb.linear(h, ckpt.get(f"{lp}.self_attn.in_projs.0.weight"), f"{lp}.self_attn.in_proj")
-            qkv = gb.transpose(gb.reshape(qkv, [0, 0, 3, H, Dh]), [2, 0, 3, 1, 4])   # [3, B, H, T, Dh]
-            q, k, v = (gb.squeeze(t, [0]) for t in gb.op("Split", [qkv, gb.const([1, 1, 1], np.int64)], n_out=3, axis=0))
-            q, k = _rope_interleaved(gb, q, cos, sin), _rope_interleaved(gb, k, cos, sin)
+            if delta is None:
+                h = gb.layer_norm(x, get("norm1.weight"), get("norm1.bias"), f"{lp}.norm1", 1e-5)
+            else:
+                h, x = _skip_layer_norm(gb, x, delta, get("norm1.weight"), get("norm1.bias"), f"{lp}.norm1")
+            qkv = gb.linear(h, get("self_attn.in_projs.0.weight"), f"{lp}.self_attn.in_proj")
+            q, k, v = gb.op("Split", [qkv], n_out=3, axis=-1, num_outputs=3)                  # [B, T, H*Dh]
+            q, k = (gb.op("RotaryEmbedding", [t, rope[0], rope[1], rope[2]], domain="com.microsoft", interleaved=1,
+                          num_heads=H) for t in (q, k))
             pk, pv = past_names(side, index, layer)
             gb.input(pk, FLOAT, ["batch", H, spec.past_rows, Dh])
             gb.input(pv, FLOAT, ["batch", H, spec.past_rows, Dh])
-            att = gb.attention(q, gb.concat([pk, k], 2), gb.concat([pv, v], 2), bias, 1.0 / math.sqrt(Dh))
-            att = gb.reshape(gb.transpose(att, [0, 2, 1, 3]), [0, 0, H * Dh])
-            att = gb.linear(att, ckpt.get(f"{lp}.self_attn.out_projs.0.weight"), f"{lp}.self_attn.out_proj")
-            x = gb.op("Add", [x, gb.op("Mul", [att, gb.weight(f"{lp}.layer_scale_1.scale", ckpt.get(f"{lp}.layer_scale_1.scale"))])])
-            h = gb.layer_norm(x, ckpt.get(f"{lp}.norm2.weight"), ckpt.get(f"{lp}.norm2.bias"), f"{lp}.norm2", 1e-5)
-            h = gb.linear(gb.gelu_erf(gb.linear(h, ckpt.get(f"{lp}.linear1.weight"), f"{lp}.linear1")),
-                          ckpt.get(f"{lp}.linear2.weight"), f"{lp}.linear2")
-            x = gb.op("Add", [x, gb.op("Mul", [h, gb.weight(f"{lp}.layer_scale_2.scale", ckpt.get(f"{lp}.layer_scale_2.scale"))])])
-            presents.append(gb.unsqueeze(gb.concat([gb.unsqueeze(k, [0]), gb.unsqueeze(v, [0])], 0), [0]))
+            att, key, value = gb.op("MultiHeadAttention", [q, k, v, "", "", bias, pk, pv], n_out=3,
+                                    domain="com.microsoft", num_heads=H, scale=1.0 / math.sqrt(Dh))
+            presents += [gb.op("Slice", [t, *new_rows, gb.const([2], np.int64)]) for t in (key, value)]
+            scale1, scale2 = get("layer_scale_1.scale"), get("layer_scale_2.scale")
+            att = gb.linear(att, get("self_attn.out_projs.0.weight") * scale1[:, None], f"{lp}.self_attn.out_proj")
+            h, x = _skip_layer_norm(gb, x, att, get("norm2.weight"), get("norm2.bias"), f"{lp}.norm2")
+            h = gb.op("Gelu", [gb.linear(h, get("linear1.weight"), f"{lp}.linear1")], domain="com.microsoft")
+            delta = gb.linear(h, get("linear2.weight") * scale2[:, None], f"{lp}.linear2")
+    x = gb.op("Add", [x, delta])
     if f"{p}.output_proj.weight" in ckpt:
         x = gb.linear(x, ckpt.get(f"{p}.output_proj.weight"), f"{p}.output_proj")
     elif spec.output_dim != D:
         raise CheckpointError(f"missing tensor {p}.output_proj.weight")
-    return x, gb.concat(presents, 0)
+    # [k0, v0, k1, v1, ...] each [B, H, T, Dh] → [L, 2, B, H, T, Dh]
+    shape = gb.concat([gb.const([spec.layers, 2, -1, H], np.int64), gb.op("Shape", [presents[0]], start=2, end=3),
+                       gb.const([Dh], np.int64)], 0)
+    return x, gb.op("Reshape", [gb.concat(presents, 0), shape])
 
 
 def _dequant_tables(ckpt: Checkpoint, spec: CodecSpec) -> np.ndarray:

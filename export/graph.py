@@ -12,6 +12,7 @@ import os
 from pathlib import Path
 from typing import Iterator, Sequence
 
+import ml_dtypes
 import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
@@ -22,6 +23,7 @@ _ALIGN = 4096  # page-aligned tensors let onnxruntime memory-map external data
 NP_TO_ONNX = {
     np.dtype(np.float32): TensorProto.FLOAT,
     np.dtype(np.float16): TensorProto.FLOAT16,
+    np.dtype(ml_dtypes.bfloat16): TensorProto.BFLOAT16,
     np.dtype(np.int64): TensorProto.INT64,
     np.dtype(np.int32): TensorProto.INT32,
     np.dtype(np.int8): TensorProto.INT8,
@@ -31,6 +33,7 @@ NP_TO_ONNX = {
 ONNX_TO_NAME = {
     TensorProto.FLOAT: "float32",
     TensorProto.FLOAT16: "float16",
+    TensorProto.BFLOAT16: "bfloat16",
     TensorProto.INT64: "int64",
     TensorProto.INT32: "int32",
     TensorProto.INT8: "int8",
@@ -39,6 +42,9 @@ ONNX_TO_NAME = {
 }
 
 Dim = int | str | None
+
+# Compute dtypes (``mossrt export --compute-dtype``): the type of activations, KV and float constants.
+COMPUTE_DTYPES = {"fp32": np.dtype(np.float32), "fp16": np.dtype(np.float16), "bf16": np.dtype(ml_dtypes.bfloat16)}
 
 # int8 matmul weights (com.microsoft.MatMulNBits, bits=8): K is split in blocks of this size, each with the
 # weight row's scale; accuracy_level 4 lets the CPU kernel quantize activations per block to int8 (MLAS has
@@ -79,6 +85,28 @@ def quantize_int8(array: np.ndarray, axis: int) -> tuple[np.ndarray, np.ndarray]
     return q, scale.reshape(-1)
 
 
+def _register_onnxruntime_schemas() -> None:
+    """Teach onnx's checker onnxruntime's ``SimplifiedLayerNormalization``: onnxruntime registers it (CPU and
+    CUDA kernels) in the default ONNX domain, where onnx itself has no such op."""
+    from onnx.defs import OpSchema, has, register_schema
+
+    if has("SimplifiedLayerNormalization"):
+        return
+    floats = ["tensor(float)", "tensor(float16)", "tensor(bfloat16)", "tensor(double)"]
+    P, A = OpSchema.FormalParameter, OpSchema.Attribute
+    optional = OpSchema.FormalParameterOption.Optional
+    register_schema(OpSchema(
+        "SimplifiedLayerNormalization", "", 1, "onnxruntime's RMSNorm: X / sqrt(mean(X^2) + epsilon) * scale",
+        inputs=[P("X", "T"), P("scale", "V")], outputs=[P("Y", "V"), P("inv_std_var", "U", param_option=optional)],
+        type_constraints=[("T", floats, ""), ("U", ["tensor(float)", "tensor(double)"], ""), ("V", floats, "")],
+        attributes=[A("axis", OpSchema.AttrType.INT, "", required=False),
+                    A("epsilon", OpSchema.AttrType.FLOAT, "", required=False),
+                    A("stash_type", OpSchema.AttrType.INT, "", required=False)]))
+
+
+_register_onnxruntime_schemas()
+
+
 class WeightFile:
     """Appends tensors to one external-data file and hands back TensorProtos that point into it."""
 
@@ -113,14 +141,21 @@ class WeightFile:
 class GraphBuilder:
     """Builds one ONNX graph. Op helpers return output names; weights go to the external data file.
 
-    ``weight_dtype`` is the storage type of large float weights: with float16 they are stored half-size
-    and cast to float32 inside the graph (activations, norms, softmax and RoPE stay float32); with int8
-    they are symmetric per-channel int8 (see :meth:`weight` and :meth:`matmul_weight`).
+    ``weight_dtype`` is the storage type of large float weights (float32, float16, bfloat16, or int8:
+    symmetric per-channel, see :meth:`weight` and :meth:`matmul_weight`); ``compute_dtype`` the type
+    everything float in the graph computes in (float32, float16 or bfloat16): weights are widened or
+    narrowed to it (no Cast when storage and compute agree), float constants, zeros and norm vectors are
+    made in it, and :attr:`float_type` is its ONNX type for the graph's own inputs, outputs and casts.
+    A part that must stay float32 (the sampler after the logits) builds inside :meth:`computing`.
+    The fused norms (SimplifiedLayerNormalization) accumulate in float32 for every compute dtype.
     """
 
     def __init__(self, name: str, path: Path, weight_dtype: np.dtype = np.dtype(np.float32),
                  int8_block_size: int = INT8_BLOCK, int8_accuracy_level: int = INT8_ACCURACY_LEVEL,
-                 matmul_bits: int = 8):
+                 matmul_bits: int = 8, compute_dtype: np.dtype = np.dtype(np.float32)):
+        if np.dtype(compute_dtype) not in COMPUTE_DTYPES.values():
+            raise ValueError(f"compute dtype must be float32, float16 or bfloat16, got {np.dtype(compute_dtype)}")
+        self.compute_dtype = np.dtype(compute_dtype)
         self.name = name
         # with weight_dtype int8: 8 = per-channel int8 matmul weights, 4 = per-block int4 (embeddings fp16)
         if matmul_bits not in (4, 8):
@@ -139,6 +174,26 @@ class GraphBuilder:
         self._counter = 0
         self._const_cache: dict[tuple, str] = {}
         self._scope: list[str] = []
+
+    # ------------------------------------------------------------------ compute dtype
+    @property
+    def float_type(self) -> int:
+        """The ONNX element type of the compute dtype (for inputs, outputs and casts)."""
+        return NP_TO_ONNX[self.compute_dtype]
+
+    @contextlib.contextmanager
+    def computing(self, dtype: np.dtype) -> Iterator[None]:
+        """Build the nodes made inside in ``dtype`` (e.g. a float32 sampler after float16 logits: cast the
+        logits with ``gb.cast(logits, TensorProto.FLOAT)`` first)."""
+        outer, self.compute_dtype = self.compute_dtype, np.dtype(dtype)
+        try:
+            yield
+        finally:
+            self.compute_dtype = outer
+
+    def to_compute(self, x: str, dtype: np.dtype) -> str:
+        """``x`` (of numpy type ``dtype``) in the compute dtype: a Cast only where the types differ."""
+        return x if np.dtype(dtype) == self.compute_dtype else self.cast(x, self.float_type)
 
     # ------------------------------------------------------------------ names and values
     @contextlib.contextmanager
@@ -171,25 +226,27 @@ class GraphBuilder:
         return name
 
     def weight(self, name: str, array: np.ndarray, channel_axis: int = -1) -> str:
-        """A large float weight, stored in ``weight_dtype`` in the external data file, float32 in the graph.
+        """A large float weight, stored in ``weight_dtype`` in the external data file, in the compute dtype
+        in the graph (stored as is where the two agree, else cast once).
 
-        With ``weight_dtype`` int8 the weight is stored as symmetric int8 with one float32 scale per index
-        of ``channel_axis`` (the output channel of a ``[in, out]`` matmul weight by default) and widened
-        by a per-axis ``DequantizeLinear``.
+        With ``weight_dtype`` int8 the weight is stored as symmetric int8 with one scale (in the compute
+        dtype) per index of ``channel_axis`` (the output channel of a ``[in, out]`` matmul weight by
+        default) and widened by a per-axis ``DequantizeLinear``.
         """
         array = np.asarray(array, dtype=np.float32)
-        # vectors (norm weights, biases, layer scales) stay float32: tiny, and precision-sensitive
-        if self.weight_dtype == np.float32 or array.ndim < 2:
-            self.initializers.append(self._weights.add(name, array))
+        # vectors (norm weights, biases, layer scales) are stored in the compute dtype: tiny, and the fused
+        # norms take their scale in the input's type
+        if self.weight_dtype == self.compute_dtype or array.ndim < 2:
+            self.initializers.append(self._weights.add(name, array.astype(self.compute_dtype)))
             return name
         if self.weight_dtype == np.int8:
             axis = channel_axis % array.ndim
             q, scale = quantize_int8(array, axis)
             self.initializers.append(self._weights.add(name + ".q", q))
-            self.initializers.append(self._weights.add(name + ".scale", scale))
+            self.initializers.append(self._weights.add(name + ".scale", scale.astype(self.compute_dtype)))
             return self.op("DequantizeLinear", [name + ".q", name + ".scale"], out=name, axis=axis)
         self.initializers.append(self._weights.add(name + ".stored", array.astype(self.weight_dtype)))
-        return self.op("Cast", [name + ".stored"], out=name, to=TensorProto.FLOAT)
+        return self.op("Cast", [name + ".stored"], out=name, to=self.float_type)
 
     def matmul_weight(self, weight: np.ndarray, name: str) -> str:
         """Store a torch-layout ``[out, in]`` linear weight once; returns a handle for :meth:`matmul`.
@@ -214,7 +271,7 @@ class GraphBuilder:
             packed[:, :k] = (q.astype(np.int16) + 128).astype(np.uint8)
             packed, scales = packed.reshape(n, blocks, bs), np.repeat(scale, blocks).astype(np.float32)
         self.tensor(name + ".qw", packed)
-        self.tensor(name + ".qw_scale", scales)
+        self.tensor(name + ".qw_scale", scales.astype(self.compute_dtype))   # MatMulNBits: scales in A's type
         self._nbits[name] = (k, n)
         return name
 
@@ -228,24 +285,25 @@ class GraphBuilder:
                        accuracy_level=self.int8_accuracy_level)
 
     def embedding(self, ids: str, table: np.ndarray, name: str) -> str:
-        """Rows ``table[ids]`` as float32. Rows are gathered in storage type and widened afterwards, so a
-        large table is never widened whole. Storage: ``weight_dtype``, except int8 builds keep tables in
-        float16 (int8 is for matmul weights only)."""
+        """Rows ``table[ids]`` in the compute dtype. Rows are gathered in storage type and cast afterwards,
+        so a large table is never converted whole. Storage: ``weight_dtype``, except int8 builds keep tables
+        in float16 (int8 is for matmul weights only)."""
         table = np.asarray(table)
-        if self.weight_dtype == np.float32:
-            return self.op("Gather", [self.tensor(name + ".weight", table.astype(np.float32, copy=False)), ids], axis=0)
-        store = np.float16 if self.weight_dtype == np.int8 else self.weight_dtype
+        store = np.dtype(np.float16) if self.weight_dtype == np.int8 else self.weight_dtype
+        if store == self.compute_dtype:
+            return self.op("Gather", [self.tensor(name + ".weight", table.astype(store, copy=False)), ids], axis=0)
         rows = self.op("Gather", [self.tensor(name + ".stored", table.astype(store)), ids], axis=0)
-        return self.cast(rows, TensorProto.FLOAT)
+        return self.cast(rows, self.float_type)
 
     def tensor(self, name: str, array: np.ndarray) -> str:
         """A tensor kept exactly as given (tables, int data) in the external data file."""
         self.initializers.append(self._weights.add(name, np.asarray(array)))
         return name
 
-    def const(self, value, dtype=np.float32) -> str:
-        """A small inline constant (scalars, shapes, axes); identical constants are shared."""
-        array = np.asarray(value, dtype=dtype)
+    def const(self, value, dtype=None) -> str:
+        """A small inline constant (scalars, shapes, axes); identical constants are shared. Without
+        ``dtype``, a float constant in the compute dtype."""
+        array = np.asarray(value, dtype=self.compute_dtype if dtype is None else dtype)
         key = (array.dtype.str, array.shape, array.tobytes())
         if key not in self._const_cache:
             name = self.fresh("const")
@@ -280,16 +338,21 @@ class GraphBuilder:
         )
 
     def rms_norm(self, x: str, weight: np.ndarray, name: str, eps: float) -> str:
-        """``w * x / sqrt(mean(x^2) + eps)`` over the last axis (Qwen3 RMSNorm, float32)."""
-        var = self.op("ReduceMean", [self.op("Mul", [x, x]), self.const([-1], np.int64)], keepdims=1)
-        inv = self.op("Reciprocal", [self.op("Sqrt", [self.op("Add", [var, self.const(eps)])])])
-        return self.op("Mul", [self.weight(name + ".weight", weight), self.op("Mul", [x, inv])])
+        """``w * x / sqrt(mean(x^2) + eps)`` over the last axis (Qwen3 RMSNorm)."""
+        return self.rms_norm_named(x, self.weight(name + ".weight", weight), eps)
 
     def rms_norm_named(self, x: str, weight: str, eps: float) -> str:
-        """:meth:`rms_norm` with an already-added weight (shared by several nodes)."""
-        var = self.op("ReduceMean", [self.op("Mul", [x, x]), self.const([-1], np.int64)], keepdims=1)
-        inv = self.op("Reciprocal", [self.op("Sqrt", [self.op("Add", [var, self.const(eps)])])])
-        return self.op("Mul", [weight, self.op("Mul", [x, inv])])
+        """:meth:`rms_norm` with an already-added weight (shared by several nodes): one
+        ``SimplifiedLayerNormalization`` node (onnxruntime's RMSNorm, CPU and CUDA kernels for float32,
+        float16 and bfloat16; the mean of squares accumulates in float32)."""
+        return self.op("SimplifiedLayerNormalization", [x, weight], axis=-1, epsilon=eps, stash_type=1)
+
+    def skip_rms_norm(self, x: str, delta: str, weight: str, eps: float) -> tuple[str, str]:
+        """RMSNorm of the residual sum ``x + delta`` and the sum itself, as one
+        ``com.microsoft.SkipSimplifiedLayerNormalization`` (the residual add fused into the next norm)."""
+        normed, total = self.op("SkipSimplifiedLayerNormalization", [x, delta, weight], domain="com.microsoft",
+                                outs=[self.fresh("skip_rms_norm"), "", "", self.fresh("residual")], epsilon=eps)[::3]
+        return normed, total
 
     def rope_cos_sin(self, positions: str, inv_freq: np.ndarray) -> tuple[str, str]:
         """Rotate-half RoPE tables for float32 positions ``[...]``: cos/sin ``[..., D]`` of
@@ -333,8 +396,9 @@ class GraphBuilder:
         return self.op("Cast", [x], to=to)
 
     def zeros(self, shape: str) -> str:
-        """float32 zeros of the shape held in the int64 value ``shape``."""
-        return self.op("ConstantOfShape", [shape], value=helper.make_tensor("zero", TensorProto.FLOAT, [1], [0.0]))
+        """Zeros in the compute dtype of the shape held in the int64 value ``shape``."""
+        return self.op("ConstantOfShape", [shape],
+                       value=numpy_helper.from_array(np.zeros(1, self.compute_dtype), "zero"))
 
     def arange(self, n: str, dtype=np.int64) -> str:
         """``[0, 1, ..., n-1]`` for a scalar value ``n``."""

@@ -11,7 +11,10 @@ sampling filter on its own (for tests).
 * ``sampling_filter`` is the same filter on given logits, exposing the penalized logits and the final
   distribution.
 
-Everything computes in float32; ``weight_dtype`` only changes how large weights are stored.
+``weight_dtype`` is how large weights are stored, ``compute_dtype`` what the backbone computes in
+(activations and its KV slots; see ``GraphBuilder``): its ``hidden`` output is float32 whatever it
+computes in, so the depth graph's interface does not depend on it. The depth transformer computes in
+``compute_dtype`` too; its head logits are cast to float32 and the sampler is built in float32.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
-from onnx import TensorProto
+from onnx import TensorProto, helper
 
 from .checkpoint import Checkpoint, CheckpointError, parse_config
 from .graph import GraphBuilder
@@ -61,6 +64,14 @@ class StackSpec:
     rms_eps: float
     rope_theta: float
     rope_factor: float   # "linear" RoPE scaling: positions / factor (1.0 = default RoPE)
+    max_positions: int = 32768   # max_position_embeddings: rows of the backbone's RoPE cos/sin tables
+
+    def rope_cache(self, dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
+        """GroupQueryAttention's rotary tables ``[max_positions, head_dim / 2]``: cos and sin of the float32
+        angles ``position * inv_freq`` (as transformers forms them), each correctly rounded to ``dtype``."""
+        ang = np.arange(self.max_positions, dtype=np.float32)[:, None] * self.inv_freq()[None, :]
+        ang = ang.astype(np.float64)
+        return np.cos(ang).astype(dtype), np.sin(ang).astype(dtype)
 
     def inv_freq(self) -> np.ndarray:
         """``1 / theta^(arange(0, D, 2) / D)`` in float32, as transformers computes it."""
@@ -123,7 +134,8 @@ def _stack(cfg: dict, prefix: str, where: str) -> StackSpec:
     return StackSpec(prefix=prefix, layers=int(cfg["num_hidden_layers"]), hidden=hidden, heads=heads,
                      kv_heads=kv_heads, head_dim=int(cfg.get("head_dim") or hidden // heads),
                      intermediate=int(cfg["intermediate_size"]), rms_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-                     rope_theta=theta, rope_factor=factor)
+                     rope_theta=theta, rope_factor=factor,
+                     max_positions=int(cfg.get("max_position_embeddings") or 32768))
 
 
 def parse_tts_config(cfg: dict) -> TTSConfig:
@@ -197,30 +209,50 @@ def check_tensor_shapes(ckpt: Checkpoint, cfg: TTSConfig) -> None:
 
 # ---------------------------------------------------------------------------------------------- layers
 class Layer:
-    """One Qwen3 decoder layer's weights, added to the graph once and shared by every call site."""
+    """One Qwen3 decoder layer's weights, added to the graph once and shared by every call site.
+
+    q/k/v are one packed projection (``self_attn.qkv_proj``) and gate/up another (``mlp.gate_up_proj``),
+    each split after its matmul; Qwen3's q/k RMSNorm sits between the projection and RoPE, which is why
+    the packed output is split rather than handed to the attention op packed. Residual adds are fused
+    into the following norm (``SkipSimplifiedLayerNormalization``).
+    """
 
     def __init__(self, gb: GraphBuilder, ckpt: Checkpoint, spec: StackSpec, index: int):
         lp = f"{spec.prefix}.layers.{index}"
         self.spec, self.name = spec, lp
         vec = lambda n: gb.weight(f"{lp}.{n}", ckpt.get(f"{lp}.{n}"))
-        mat = lambda n: gb.matmul_weight(ckpt.get(f"{lp}.{n}.weight"), f"{lp}.{n}")
+        mat = lambda n: ckpt.get(f"{lp}.{n}.weight")
         self.ln1, self.ln2 = vec("input_layernorm.weight"), vec("post_attention_layernorm.weight")
         self.q_norm, self.k_norm = vec("self_attn.q_norm.weight"), vec("self_attn.k_norm.weight")
-        self.q, self.k, self.v, self.o = (mat(f"self_attn.{n}_proj") for n in "qkvo")
-        self.gate, self.up, self.down = (mat(f"mlp.{n}_proj") for n in ("gate", "up", "down"))
+        self.qkv_proj = gb.matmul_weight(np.concatenate([mat(f"self_attn.{n}_proj") for n in "qkv"]),
+                                    f"{lp}.self_attn.qkv_proj")
+        self.o = gb.matmul_weight(mat("self_attn.o_proj"), f"{lp}.self_attn.o_proj")
+        self.gate_up_proj = gb.matmul_weight(np.concatenate([mat("mlp.gate_proj"), mat("mlp.up_proj")]),
+                                        f"{lp}.mlp.gate_up_proj")
+        self.down = gb.matmul_weight(mat("mlp.down_proj"), f"{lp}.mlp.down_proj")
+
+    def input_norm(self, gb: GraphBuilder, x: str, delta: str | None) -> tuple[str, str]:
+        """(input RMSNorm of the residual stream, the stream): the stream is ``x + delta`` (the previous
+        layer's MLP output, added inside the norm) or ``x`` alone."""
+        if delta is None:
+            return gb.rms_norm_named(x, self.ln1, self.spec.rms_eps), x
+        return gb.skip_rms_norm(x, delta, self.ln1, self.spec.rms_eps)
+
+    def heads(self, gb: GraphBuilder, h: str) -> tuple[str, str, str]:
+        """Normed input [B, T, hidden] → time-major q [B, T, H, D], k and v [B, T, KV, D]: the packed
+        projection, split, then q/k RMSNorm over head_dim (no RoPE)."""
+        s = self.spec
+        with gb.scope(f"{self.name}.self_attn"):
+            qkv = gb.reshape(gb.matmul(h, self.qkv_proj), [0, 0, s.heads + 2 * s.kv_heads, s.head_dim])
+            q, k, v = gb.op("Split", [qkv, gb.const([s.heads, s.kv_heads, s.kv_heads], np.int64)], n_out=3, axis=2)
+            return gb.rms_norm_named(q, self.q_norm, s.rms_eps), gb.rms_norm_named(k, self.k_norm, s.rms_eps), v
 
     def project(self, gb: GraphBuilder, x: str, cos: str, sin: str) -> tuple[str, str, str]:
         """x [B, T, hidden] → time-major q [B, T, H, D], k and v [B, T, KV, D]: input RMSNorm,
-        projections, q/k RMSNorm over head_dim, then rotate-half RoPE (cos/sin broadcast as [., T, 1, D])."""
-        s = self.spec
-        h = gb.rms_norm_named(x, self.ln1, s.rms_eps)
+        :meth:`heads`, then rotate-half RoPE (cos/sin broadcast as [., T, 1, D])."""
+        q, k, v = self.heads(gb, self.input_norm(gb, x, None)[0])
         with gb.scope(f"{self.name}.self_attn"):
-            q = gb.reshape(gb.matmul(h, self.q), [0, 0, s.heads, s.head_dim])
-            k = gb.reshape(gb.matmul(h, self.k), [0, 0, s.kv_heads, s.head_dim])
-            v = gb.reshape(gb.matmul(h, self.v), [0, 0, s.kv_heads, s.head_dim])
-            q = gb.rope_rotate_half(gb.rms_norm_named(q, self.q_norm, s.rms_eps), cos, sin)
-            k = gb.rope_rotate_half(gb.rms_norm_named(k, self.k_norm, s.rms_eps), cos, sin)
-        return q, k, v
+            return gb.rope_rotate_half(q, cos, sin), gb.rope_rotate_half(k, cos, sin), v
 
     def qkv(self, gb: GraphBuilder, x: str, cos: str, sin: str) -> tuple[str, str, str]:
         """:meth:`project` in head-major layout: q [B, H, T, D], k and v [B, KV, T, D]."""
@@ -245,15 +277,26 @@ class Layer:
             att = gb.reshape(att, [0, 0, s.heads * s.head_dim])
         return self.output(gb, x, att)
 
+    def post_attention(self, gb: GraphBuilder, x: str, att: str) -> tuple[str, str]:
+        """o_proj of the attention output [B, T, H*D], added to the stream inside the post-attention
+        RMSNorm: (normed, stream)."""
+        with gb.scope(f"{self.name}.self_attn"):
+            delta = gb.matmul(att, self.o)
+        return gb.skip_rms_norm(x, delta, self.ln2, self.spec.rms_eps)
+
+    def mlp(self, gb: GraphBuilder, h: str) -> str:
+        """SwiGLU ``down(silu(gate h) * up h)`` with gate and up as one packed matmul."""
+        s = self.spec
+        with gb.scope(f"{self.name}.mlp"):
+            gate, up = gb.op("Split", [gb.matmul(h, self.gate_up_proj), gb.const([s.intermediate, s.intermediate], np.int64)],
+                             n_out=2, axis=-1)
+            return gb.matmul(gb.op("Mul", [gb.silu(gate), up]), self.down)
+
     def output(self, gb: GraphBuilder, x: str, att: str) -> str:
         """o_proj of the attention output [B, T, H*D] plus the residual, then the SwiGLU MLP block."""
-        s = self.spec
-        with gb.scope(f"{self.name}.self_attn"):
-            x = gb.op("Add", [x, gb.matmul(att, self.o)])
-        h = gb.rms_norm_named(x, self.ln2, s.rms_eps)
+        h, x = self.post_attention(gb, x, att)
         with gb.scope(f"{self.name}.mlp"):
-            mlp = gb.matmul(gb.op("Mul", [gb.silu(gb.matmul(h, self.gate)), gb.matmul(h, self.up)]), self.down)
-            return gb.op("Add", [x, mlp])
+            return gb.op("Add", [x, self.mlp(gb, h)])
 
 
 def kv_names(layer: int) -> tuple[str, str, str, str]:
@@ -262,154 +305,169 @@ def kv_names(layer: int) -> tuple[str, str, str, str]:
 
 
 # ---------------------------------------------------------------------------------------------- backbone
-def build_backbone(ckpt: Checkpoint, cfg: TTSConfig, path: Path, weight_dtype, matmul_bits: int = 8) -> GraphBuilder:
-    """grid [B, T, 17] + past_len [B] + per-layer KV slots [B, KV, capacity, D] → hidden [B, T, hidden].
+def build_backbone(ckpt: Checkpoint, cfg: TTSConfig, path: Path, weight_dtype, matmul_bits: int = 8,
+                   compute_dtype=np.float32) -> GraphBuilder:
+    """grid [B, T, 17] + position_ids [B, T] + seqlens_k [B] + total_sequence_length [] + per-layer KV slots [B, KV, capacity, D]
+    → hidden [B, T, hidden] (float32).
 
-    Attention is ``com.microsoft.GroupQueryAttention`` over the host's KV slots: stream ``b`` has
-    ``past_len[b]`` valid rows; the call writes the new rows' K (after q/k-norm and RoPE) and V at
-    ``past_len[b]..`` of ``present_*``, which the host binds to the same memory as ``past_*`` (in place:
-    no per-step copy that grows with the context) and attends only to each stream's valid rows. Streams
-    with different lengths share a call when T == 1; with T > 1 and past rows the batch must be 1
-    (GroupQueryAttention's rule), which is how prefills run.
+    RoPE is ``com.microsoft.RotaryEmbedding`` at the host's ``position_ids`` [B, T] (cos/sin tables of
+    ``max_positions`` rows; GroupQueryAttention's own ``do_rotary`` would save two nodes a layer but needs
+    head_dim % 16 == 0 on CPU, which the tiny golden models lack: one code path for both). Attention is
+    ``com.microsoft.GroupQueryAttention`` over the host's KV slots: stream ``b`` attends to its first
+    ``seqlens_k[b] + 1`` rows (its past rows plus the T new ones: the host supplies ``past_len + T - 1``)
+    and the call writes the new rows' K (after q/k-norm and RoPE) and V at ``past_len..`` of ``present_*``, which the host binds to the same memory as ``past_*`` (in place: no per-step
+    copy that grows with the context). ``total_sequence_length`` is the slot capacity, a constant of the
+    host's pool (no device-side reduction feeds the op's host-side shape input, and a captured graph can
+    replay it). Streams with different lengths share a call when T == 1; with T > 1 the batch must be 1
+    (GroupQueryAttention's rule), which is how prefills run. KV and activations are ``compute_dtype``.
     """
     s = cfg.backbone
-    gb = GraphBuilder("backbone", path, weight_dtype, matmul_bits=matmul_bits)
+    gb = GraphBuilder("backbone", path, weight_dtype, matmul_bits=matmul_bits, compute_dtype=compute_dtype)
     grid = gb.input("grid", INT64, ["batch", "rows", cfg.rvq + 1])
-    past_len = gb.input("past_len", INT64, ["batch"])
+    positions = gb.input("position_ids", INT64, ["batch", "rows"])
+    seqlens = gb.input("seqlens_k", INT32, ["batch"])
+    total = gb.input("total_sequence_length", INT32, [])
+    kv_shape = ["batch", s.kv_heads, "capacity", s.head_dim]
 
-    # 17 lookups summed in column order (as upstream accumulates them)
-    x = None
+    # 17 lookups in one: the tables stacked, each column's ids offset to its table, the rows summed over
+    # the columns in column order (as upstream accumulates them)
     with gb.scope("embed_tokens"):
-        for c in range(cfg.rvq + 1):
-            ids = gb.op("Gather", [grid, gb.const(c, np.int64)], axis=2)                   # [B, T]
-            e = gb.embedding(ids, ckpt.get(f"embed_tokens.{c}.weight", dtype=None), f"embed_tokens.{c}")
-            x = e if x is None else gb.op("Add", [x, e])
-
+        tables = [ckpt.get(f"embed_tokens.{c}.weight", dtype=None) for c in range(cfg.rvq + 1)]
+        offsets = np.cumsum([0] + [len(t) for t in tables[:-1]]).astype(np.int64)
+        ids = gb.op("Add", [grid, gb.const(offsets, np.int64)])                              # [B, T, 17]
+        rows = gb.embedding(ids, np.concatenate(tables), "embed_tokens")                    # [B, T, 17, H]
+        x = gb.op("ReduceSum", [rows, gb.const([2], np.int64)], keepdims=0)
     with gb.scope("rotary"):
-        n_new = gb.dim(grid, 1)
-        pos = gb.op("Add", [gb.unsqueeze(past_len, [1]), gb.unsqueeze(gb.arange(n_new), [0])])  # [B, T]
-        cos, sin = gb.rope_cos_sin(gb.cast(pos, FLOAT), s.inv_freq())                       # [B, T, D]
-        cos, sin = gb.unsqueeze(cos, [2]), gb.unsqueeze(sin, [2])                           # [B, T, 1, D]
-        # GroupQueryAttention's lengths: last valid row per stream, and the longest total length
-        seqlens = gb.cast(gb.op("Sub", [gb.op("Add", [past_len, n_new]), gb.const(1, np.int64)]), INT32)
-        total = gb.cast(gb.op("Add", [gb.op("ReduceMax", [past_len], keepdims=0), n_new]), INT32)
+        cos, sin = (gb.tensor(f"rotary.{n}_cache", t) for n, t in zip(("cos", "sin"), s.rope_cache(gb.compute_dtype)))
 
+    delta = None
     for i in range(s.layers):
         layer = Layer(gb, ckpt, s, i)
         pk, pv, ok, ov = kv_names(i)
-        gb.input(pk, FLOAT, ["batch", s.kv_heads, "capacity", s.head_dim])
-        gb.input(pv, FLOAT, ["batch", s.kv_heads, "capacity", s.head_dim])
-        q, k, v = layer.project(gb, x, cos, sin)
+        gb.input(pk, gb.float_type, kv_shape)
+        gb.input(pv, gb.float_type, kv_shape)
+        h, x = layer.input_norm(gb, x, delta)
+        q, k, v = layer.heads(gb, h)
         with gb.scope(f"{layer.name}.self_attn"):
+            q, k = (gb.op("RotaryEmbedding", [gb.reshape(t, [0, 0, n * s.head_dim]), positions, cos, sin],
+                          domain="com.microsoft", interleaved=0, num_heads=n)
+                    for t, n in ((q, s.heads), (k, s.kv_heads)))
             att = gb.op(
                 "GroupQueryAttention",
-                [gb.reshape(q, [0, 0, s.heads * s.head_dim]), gb.reshape(k, [0, 0, s.kv_heads * s.head_dim]),
-                 gb.reshape(v, [0, 0, s.kv_heads * s.head_dim]), pk, pv, seqlens, total],
+                [q, k, gb.reshape(v, [0, 0, s.kv_heads * s.head_dim]), pk, pv, seqlens, total],
                 outs=[gb.fresh("attn"), ok, ov], domain="com.microsoft", num_heads=s.heads,
                 kv_num_heads=s.kv_heads, scale=1.0 / math.sqrt(s.head_dim))[0]
-        x = layer.output(gb, x, att)
-        gb.declare_output(ok, FLOAT, ["batch", s.kv_heads, "capacity", s.head_dim])
-        gb.declare_output(ov, FLOAT, ["batch", s.kv_heads, "capacity", s.head_dim])
+        h, x = layer.post_attention(gb, x, att)
+        delta = layer.mlp(gb, h)
+        gb.declare_output(ok, gb.float_type, kv_shape)
+        gb.declare_output(ov, gb.float_type, kv_shape)
     with gb.scope(f"{BACKBONE}.norm"):
-        hidden = gb.rms_norm_named(x, gb.weight(f"{BACKBONE}.norm.weight", ckpt.get(f"{BACKBONE}.norm.weight")),
-                                   s.rms_eps)
+        norm = gb.weight(f"{BACKBONE}.norm.weight", ckpt.get(f"{BACKBONE}.norm.weight"))
+        hidden = gb.skip_rms_norm(x, delta, norm, s.rms_eps)[0]
+        hidden = hidden if gb.compute_dtype == np.float32 else gb.cast(hidden, FLOAT)
     gb.output(hidden, "hidden", FLOAT, ["batch", "rows", s.hidden])
     return gb
 
 
 # ---------------------------------------------------------------------------------------------- sampling
-def _row(gb: GraphBuilder, v: str) -> str:
-    """Per-row parameter [B] → [B, 1, 1] to broadcast over [B, N, V]."""
-    return gb.unsqueeze(v, [1, 2])
+@dataclass(frozen=True)
+class SamplerRows:
+    """Per-row sampling settings [B] broadcast once to [B, N, 1] values (N = codebooks per filter call):
+    what every codebook's filter reads, computed once per graph rather than once per codebook."""
+
+    penalty: str       # repetition penalty
+    temperature: str   # <= 0 counts as 1 (greedy rows)
+    kth: str           # int64 index of the k-th largest logit in an ascending sort: V - k (0 keeps all)
+    cut: str           # top-p: drop where the ascending cumulative probability <= cut (-1: top-p off)
 
 
-def sampling_filter(gb: GraphBuilder, logits: str, history: str, penalty: str, temperature: str,
-                    top_k: str, top_p: str, vocab: int) -> tuple[str, str, str]:
-    """The upstream ``sample_token`` filter chain on logits [B, N, V] with history [B, W, N]
-    (N codebooks side by side; per-row parameters [B]).
-
-    Returns ``(penalized, filtered, probs)``:
-    * penalized: repetition penalty over the set of ids in ``history[b, :, n]`` (x<0 → x*pen, else
-      x/pen; each id once; entries outside 0..V-1, e.g. the 1027 padding, match nothing);
-    * filtered: penalized / temperature (temperature <= 0 counts as 1: greedy rows), then top-k (keep
-      logits >= the k-th largest; k <= 0 or k >= V keeps all), then top-p (ascending sort, cumulative
-      softmax accumulated in float64 as torch's CPU cumsum does, drop where it is <= 1 - top_p, always keep
-      the max; top_p >= 1 keeps all); dropped entries are -inf;
-    * probs: softmax(filtered), the distribution a sample is drawn from.
-    """
+def sampler_rows(gb: GraphBuilder, penalty: str, temperature: str, top_k: str, top_p: str, vocab: int,
+                 books: int) -> SamplerRows:
+    """:class:`SamplerRows` from the graph's per-row inputs, for filter calls over ``books`` codebooks."""
     V = vocab
+    with gb.scope("sampling.rows"):
+        row = lambda v: gb.unsqueeze(v, [1, 2])                                            # [B] → [B, 1, 1]
+        k_on = gb.op("And", [gb.op("Greater", [top_k, gb.const(0, np.int64)]),
+                             gb.op("Less", [top_k, gb.const(V, np.int64)])])
+        kth = row(gb.op("Sub", [gb.const(V, np.int64), gb.op("Where", [k_on, top_k, gb.const(V, np.int64)])]))
+        if books > 1:   # GatherElements takes indices of the output's shape: one per codebook
+            kth = gb.op("Expand", [kth, gb.concat([gb.op("Shape", [top_k]), gb.const([books, 1], np.int64)], 0)])
+        temp = gb.op("Where", [gb.op("Greater", [temperature, gb.const(0.0)]), temperature, gb.const(1.0)])
+        cut = gb.op("Where", [gb.op("Less", [top_p, gb.const(1.0)]), gb.op("Sub", [gb.const(1.0), top_p]),
+                              gb.const(-1.0)])
+        return SamplerRows(penalty=row(penalty), temperature=row(temp), kth=kth, cut=row(cut))
+
+
+def history_marks(gb: GraphBuilder, history: str, vocab: int) -> str:
+    """history [B, W, N] → seen [B, N, V]: whether each vocab id occurs in codebook n's window. Ones are
+    scattered at the window's ids into a [B, N, V + 1] map (the history pad V lands in the extra column):
+    O(window), not O(window x V), and computed once for all codebooks."""
     with gb.scope("sampling.repetition_penalty"):
-        # membership of each vocab id in the window, per codebook: scatter ones at the window's ids into a
-        # [B, N, V + 1] map (the history pad V lands in the extra column); O(window), not O(window x V)
         ids = gb.transpose(history, [0, 2, 1])                                              # [B, N, W]
-        marks = gb.zeros(gb.concat([gb.op("Shape", [logits], start=0, end=2),
-                                    gb.const([V + 1], np.int64)], 0))                      # [B, N, V+1]
-        ones = gb.op("Expand", [gb.const(1.0), gb.op("Shape", [ids])])
-        marks = gb.op("ScatterElements", [marks, ids, ones], axis=-1)
-        seen = gb.op("Greater", [gb.op("Slice", [marks, gb.const([0], np.int64), gb.const([V], np.int64),
-                                                 gb.const([2], np.int64)]), gb.const(0.0)])  # [B, N, V]
-        pen = _row(gb, penalty)
+        marks = gb.zeros(gb.concat([gb.op("Shape", [ids], start=0, end=2), gb.const([vocab + 1], np.int64)], 0))
+        marks = gb.op("ScatterElements", [marks, ids, gb.op("Expand", [gb.const(1.0), gb.op("Shape", [ids])])],
+                      axis=-1)
+        return gb.op("Greater", [gb.op("Slice", [marks, gb.const([0], np.int64), gb.const([vocab], np.int64),
+                                                 gb.const([2], np.int64)]), gb.const(0.0)])
+
+
+def filter_logits(gb: GraphBuilder, logits: str, seen: str, rows: SamplerRows, vocab: int) -> tuple[str, str, str]:
+    """The upstream ``sample_token`` filter chain on logits [B, N, V] with ``seen`` [B, N, V] from
+    :func:`history_marks`. Returns ``(penalized, filtered, probs)``:
+
+    * penalized: repetition penalty on the ids seen in the window (x<0 → x*pen, else x/pen; each id once);
+    * filtered: penalized / temperature, then top-k (keep logits >= the k-th largest; k <= 0 or k >= V
+      keeps all), then top-p (ascending stable sort, cumulative softmax accumulated in float64 as torch's
+      CPU cumsum does, drop where it is <= 1 - top_p, always keep the max; top_p >= 1 keeps all); dropped
+      entries are -inf;
+    * probs: softmax(filtered), the distribution a sample is drawn from.
+
+    Fixed-size: one full-vocabulary sort (TopK with a constant K = V, ties by lower id first: the upstream
+    stable sort), thresholds read from it by GatherElements; no shape depends on the data, so nothing
+    needs a device→host copy.
+    """
+    neg_inf = gb.const(-np.inf)
+    with gb.scope("sampling.repetition_penalty"):
+        pen = rows.penalty
         punished = gb.op("Where", [gb.op("Less", [logits, gb.const(0.0)]), gb.op("Mul", [logits, pen]),
                                    gb.op("Div", [logits, pen])])
         penalized = gb.op("Where", [seen, punished, logits])
-
     with gb.scope("sampling.temperature"):
-        temp = gb.op("Where", [gb.op("Greater", [temperature, gb.const(0.0)]), temperature, gb.const(1.0)])
-        scaled = gb.op("Div", [penalized, _row(gb, temp)])
-
-    neg_inf = gb.const(-np.inf)
-    batch_books = gb.op("Shape", [scaled], start=0, end=2)
+        scaled = gb.op("Div", [penalized, rows.temperature])
     with gb.scope("sampling.top_k"):
-        # threshold = the k-th largest value of the row; only the largest max(k) values are sorted
-        k = gb.op("Where", [gb.op("And", [gb.op("Greater", [top_k, gb.const(0, np.int64)]),
-                                           gb.op("Less", [top_k, gb.const(V, np.int64)])]),
-                            top_k, gb.const(V, np.int64)])                                  # [B]
-        k_max = gb.unsqueeze(gb.op("ReduceMax", [k], keepdims=0), [0])                      # [1]
-        desc, _ = gb.op("TopK", [scaled, k_max], n_out=2, axis=-1, largest=1, sorted=1)     # [B, N, k_max]
-        k_idx = gb.op("Expand", [_row(gb, gb.op("Sub", [k, gb.const(1, np.int64)])),
-                                 gb.concat([batch_books, gb.const([1], np.int64)], 0)])      # [B, N, 1]
-        kth = gb.op("GatherElements", [desc, k_idx], axis=-1)                               # [B, N, 1]
-        topk = gb.op("Where", [gb.op("Less", [scaled, kth]), neg_inf, scaled])              # ties all kept
-
+        asc, order = gb.op("TopK", [scaled, gb.const([vocab], np.int64)], n_out=2, axis=-1, largest=0, sorted=1)
+        kth = gb.op("GatherElements", [asc, rows.kth], axis=-1)                              # [B, N, 1]
+        asc = gb.op("Where", [gb.op("Less", [asc, kth]), neg_inf, asc])                      # ties all kept
     with gb.scope("sampling.top_p"):
-        # HF TopPLogitsWarper on the survivors only: the -inf entries add exact zeros to the ascending
-        # cumulative sum, so sorting just the finite values (every row's, ties included) is the same
-        finite = gb.op("ReduceSum", [gb.cast(gb.op("Greater", [topk, neg_inf]), INT64), gb.const([-1], np.int64)],
-                       keepdims=0)                                                           # [B, N]
-        n_win = gb.op("ReduceMax", [finite], keepdims=0)
-        n = gb.unsqueeze(n_win, [0])
-        top, top_idx = gb.op("TopK", [topk, n], n_out=2, axis=-1, largest=1, sorted=1)  # ties: lower id first
-        # ascending, ties by id (the upstream stable sort): re-sort the small window, ties keep window order
-        win, pos = gb.op("TopK", [top, n], n_out=2, axis=-1, largest=0, sorted=1)
-        order = gb.op("GatherElements", [top_idx, pos], axis=-1)
-        cum = gb.cast(gb.op("CumSum", [gb.cast(gb.op("Softmax", [win], axis=-1), DOUBLE), gb.const(-1, np.int64)]),
+        # HF TopPLogitsWarper: the -inf entries sort first and add exact zeros to the cumulative sum
+        cum = gb.cast(gb.op("CumSum", [gb.cast(gb.op("Softmax", [asc], axis=-1), DOUBLE), gb.const(-1, np.int64)]),
                       FLOAT)
-        cut = _row(gb, gb.op("Sub", [gb.const(1.0), top_p]))
-        last = gb.op("Sub", [n_win, gb.const(1, np.int64)])
-        not_max = gb.op("Less", [gb.arange(n_win), last])                                   # always keep the max
-        drop_win = gb.op("And", [gb.op("LessOrEqual", [cum, cut]), not_max])                 # [B, N, n_win]
-        drop = gb.op("ScatterElements", [gb.zeros(gb.op("Shape", [topk])), order, gb.cast(drop_win, FLOAT)],
-                     axis=-1)
-        p_on = _row(gb, gb.op("Less", [top_p, gb.const(1.0)]))
-        drop = gb.op("And", [gb.op("Greater", [drop, gb.const(0.0)]), p_on])
-        filtered = gb.op("Where", [drop, neg_inf, topk])
+        not_max = gb.const(np.arange(vocab) < vocab - 1, np.bool_)                          # always keep the max
+        drop = gb.op("And", [gb.op("LessOrEqual", [cum, rows.cut]), not_max])
+        # back to id order: ``order`` is a permutation, so every entry of ``scaled`` is overwritten
+        filtered = gb.op("ScatterElements", [scaled, order, gb.op("Where", [drop, neg_inf, asc])], axis=-1)
         probs = gb.op("Softmax", [filtered], axis=-1)
     return penalized, filtered, probs
 
 
+def sampling_filter(gb: GraphBuilder, logits: str, history: str, penalty: str, temperature: str,
+                    top_k: str, top_p: str, vocab: int, books: int) -> tuple[str, str, str]:
+    """:func:`filter_logits` on logits [B, N, V] with history [B, W, N] and per-row parameters [B]."""
+    rows = sampler_rows(gb, penalty, temperature, top_k, top_p, vocab, books)
+    return filter_logits(gb, logits, history_marks(gb, history, vocab), rows, vocab)
+
+
 def _draw(gb: GraphBuilder, probs: str, uniform: str, vocab: int) -> str:
-    """Inverse-CDF draw from probs [B, V] with u [B] in [0, 1): the first index whose cumulative
-    probability exceeds ``u * total``; never an index of probability 0. → [B] int64."""
+    """Inverse-CDF draw from probs [B, 1, V] with u [B, 1, 1] in [0, 1): the first index whose cumulative
+    probability exceeds ``u * total``; never an index of probability 0. → [B, 1, 1] int64."""
     cdf = gb.op("CumSum", [probs, gb.const(-1, np.int64)])
-    total = gb.op("Gather", [cdf, gb.const([vocab - 1], np.int64)], axis=1)             # [B, 1]
-    target = gb.op("Mul", [gb.unsqueeze(uniform, [1]), total])
-    count = gb.op("ReduceSum", [gb.cast(gb.op("LessOrEqual", [cdf, target]), INT64), gb.const([1], np.int64)],
-                  keepdims=1)                                                            # [B, 1]
+    total = gb.op("Gather", [cdf, gb.const([vocab - 1], np.int64)], axis=-1)            # [B, 1, 1]
+    count = gb.op("ReduceSum", [gb.cast(gb.op("LessOrEqual", [cdf, gb.op("Mul", [uniform, total])]), INT64),
+                                gb.const([-1], np.int64)], keepdims=1)                   # [B, 1, 1]
     idx = gb.op("Min", [count, gb.const([vocab - 1], np.int64)])
-    picked = gb.op("GatherElements", [probs, idx], axis=1)
-    best = gb.op("ArgMax", [probs], axis=1, keepdims=1)
-    idx = gb.op("Where", [gb.op("Greater", [picked, gb.const(0.0)]), idx, best])
-    return gb.squeeze(idx, [1])
+    picked = gb.op("GatherElements", [probs, idx], axis=-1)
+    return gb.op("Where", [gb.op("Greater", [picked, gb.const(0.0)]), idx,
+                           gb.op("ArgMax", [probs], axis=-1, keepdims=1)])
 
 
 def build_sampling_filter(path: Path, vocab: int = AUDIO_VOCAB, rvq: int = RVQ) -> GraphBuilder:
@@ -418,7 +476,7 @@ def build_sampling_filter(path: Path, vocab: int = AUDIO_VOCAB, rvq: int = RVQ) 
     logits = gb.input("logits", FLOAT, ["batch", rvq, vocab])
     history = gb.input("history", INT64, ["batch", "window", rvq])
     params = _sampling_inputs(gb)
-    penalized, _, probs = sampling_filter(gb, logits, history, *params, vocab=vocab)
+    penalized, _, probs = sampling_filter(gb, logits, history, *params, vocab=vocab, books=rvq)
     gb.output(penalized, "penalized", FLOAT, ["batch", rvq, vocab])
     gb.output(probs, "probs", FLOAT, ["batch", rvq, vocab])
     return gb
@@ -430,56 +488,116 @@ def _sampling_inputs(gb: GraphBuilder) -> tuple[str, str, str, str]:
 
 
 # ---------------------------------------------------------------------------------------------- depth
-def build_depth(ckpt: Checkpoint, cfg: TTSConfig, path: Path, weight_dtype, matmul_bits: int = 8) -> GraphBuilder:
+class DepthLayer(Layer):
+    """A local-transformer layer at one position of the unrolled frame: :class:`Layer`'s packed projections,
+    norms and MLP, with q/k RMSNorm as one SimplifiedLayerNormalization over every head of the packed
+    projection (unit scale, then each head's own weight; v heads pass through) and GroupQueryAttention over
+    this frame's earlier positions."""
+
+    def __init__(self, gb: GraphBuilder, ckpt: Checkpoint, spec: StackSpec, index: int):
+        super().__init__(gb, ckpt, spec, index)
+        get = lambda n: ckpt.get(f"{self.name}.self_attn.{n}.weight")
+        ones = np.ones(spec.head_dim, np.float32)
+        heads = [get("q_norm")] * spec.heads + [get("k_norm")] * spec.kv_heads + [ones] * spec.kv_heads
+        # a norm table: in the compute dtype as the norm vectors are (gb.weight would store it as a weight)
+        self.qk_norm = gb.tensor(f"{self.name}.self_attn.qk_norm.weight", np.stack(heads).astype(gb.compute_dtype))
+        self.unit = gb.weight(f"{self.name}.self_attn.qk_norm.unit", ones)
+
+    def attend(self, gb: GraphBuilder, h: str, past: tuple[str, str] | None, seqlens: str, total: int,
+               rope: str, values: str) -> tuple[str, tuple[str, str]]:
+        """Normed input h [B, 1, hidden] at position ``total - 1`` → (attention output [B, 1, H*D] for
+        :meth:`post_attention`, the (key, value) cache [B, KV, total, D] for the next position). ``rope`` is this position's
+        rotate-half RoPE as a [D, D] matrix (cos on the diagonal, ±sin at the partner dimension: one MatMul
+        instead of split/negate/concat/mul/mul/add); ``values`` [H + 2KV, 1] marks the v heads, which
+        take neither norm nor rotation."""
+        s = self.spec
+        with gb.scope(f"{self.name}.self_attn"):
+            qkv = gb.reshape(gb.matmul(h, self.qkv_proj), [0, -1, s.head_dim])               # [B, H+2KV, D]
+            qk = gb.op("Mul", [gb.rms_norm_named(qkv, self.unit, s.rms_eps), self.qk_norm])  # q/k RMSNorm
+            qkv = gb.op("Where", [values, qkv, gb.op("MatMul", [qk, rope])])
+            present = (gb.fresh("present_key"), gb.fresh("present_value"))
+            inputs = [gb.reshape(qkv, [0, 1, -1]), "", ""] + (list(past) if past else ["", ""])
+            att = gb.op("GroupQueryAttention", inputs + [seqlens, gb.const(total, np.int32)],
+                        outs=[gb.fresh("attn"), *present], domain="com.microsoft", num_heads=s.heads,
+                        kv_num_heads=s.kv_heads, scale=1.0 / math.sqrt(s.head_dim))[0]
+            return att, present
+
+
+def rope_matrix(spec: StackSpec, position: int) -> np.ndarray:
+    """Rotate-half RoPE at ``position`` as a [D, D] matrix M with ``x @ M = x * cos + rotate_half(x) * sin``
+    (cos/sin of ``position * inv_freq`` in float32, as upstream)."""
+    half = spec.head_dim // 2
+    ang = np.float32(position) * spec.inv_freq()
+    cos, sin = np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
+    m = np.zeros((spec.head_dim, spec.head_dim), np.float32)
+    i = np.arange(half)
+    m[i, i], m[i + half, i + half] = cos, cos
+    m[i + half, i], m[i, i + half] = -sin, sin      # out[i] = x[i] cos - x[i+h] sin; out[i+h] = x[i+h] cos + x[i] sin
+    return m
+
+
+def build_depth(ckpt: Checkpoint, cfg: TTSConfig, path: Path, weight_dtype, matmul_bits: int = 8,
+                compute_dtype=np.float32) -> GraphBuilder:
     """One whole frame: hidden [B, hidden] → codes [B, 16] and raw head logits [B, 16, V].
 
     Position 0 is the backbone hidden state, position p >= 1 the local embedding ``p-1`` of code
-    ``p-1``; the 16 positions are unrolled and each attends to the K/V of the earlier ones.
+    ``p-1``; the 16 positions are unrolled and each attends to the K/V of the earlier ones (a cache of
+    p rows at position p: every shape is a constant of the graph).
+
+    The transformer computes in ``compute_dtype``; the interface stays float32 (``hidden`` in, ``logits``
+    out) and the head logits are cast to float32 before the sampler, which is built in float32 so
+    penalties, temperature, top-k/top-p and the draw are the same whatever the transformer computes in.
     """
     s, V, N = cfg.local, cfg.audio_vocab, cfg.rvq
-    gb = GraphBuilder("depth", path, weight_dtype, matmul_bits=matmul_bits)
-    x = gb.unsqueeze(gb.input("hidden", FLOAT, ["batch", s.hidden]), [1])              # [B, 1, H]
+    gb = GraphBuilder("depth", path, weight_dtype, matmul_bits=matmul_bits, compute_dtype=compute_dtype)
+    hidden = gb.input("hidden", FLOAT, ["batch", s.hidden])
+    x = gb.to_compute(gb.unsqueeze(hidden, [1]), np.float32)                             # [B, 1, H]
     history = gb.input("history", INT64, ["batch", "window", N])
     penalty, temperature, top_k, top_p = _sampling_inputs(gb)
     greedy = gb.input("greedy", BOOL, ["batch"])
     uniform = gb.input("uniform", FLOAT, ["batch", N])
-    greedy = gb.op("Or", [greedy, gb.op("LessOrEqual", [temperature, gb.const(0.0)])])
+    with gb.computing(np.float32):
+        greedy = gb.unsqueeze(gb.op("Or", [greedy, gb.op("LessOrEqual", [temperature, gb.const(0.0)])]), [1, 2])
+        rows = sampler_rows(gb, penalty, temperature, top_k, top_p, V, books=1)
+        # per-codebook slices, made once: the window's id marks [B, 1, V] and the uniforms [B, 1, 1]
+        seen = gb.op("Split", [history_marks(gb, history, V)], n_out=N, axis=1, num_outputs=N)
+        draws = gb.op("Split", [gb.unsqueeze(uniform, [2])], n_out=N, axis=1, num_outputs=N)
+    with gb.scope("rotary"):
+        # GroupQueryAttention's lengths: position p is the last of p + 1 valid rows
+        no_rows = gb.op("ConstantOfShape", [gb.op("Shape", [hidden], start=0, end=1)],
+                        value=helper.make_tensor("zero", INT32, [1], [0]))              # [B] int32
+        seqlens = [no_rows] + [gb.op("Add", [no_rows, gb.const(p, np.int32)]) for p in range(1, N)]
+        ropes = [gb.const(rope_matrix(s, p)) for p in range(N)]
+        values = gb.const(np.arange(s.heads + 2 * s.kv_heads)[:, None] >= s.heads + s.kv_heads, np.bool_)
 
-    layers = [Layer(gb, ckpt, s, i) for i in range(s.layers)]
+    layers = [DepthLayer(gb, ckpt, s, i) for i in range(s.layers)]
     final_norm = gb.weight(f"{LOCAL}.norm.weight", ckpt.get(f"{LOCAL}.norm.weight"))
     heads = [gb.matmul_weight(ckpt.get(f"local_transformer.local_lm_heads.{p}.weight"),
                               f"local_transformer.local_lm_heads.{p}") for p in range(N)]
-    inv = s.inv_freq()
-    keys: list[list[str]] = [[] for _ in layers]
-    values: list[list[str]] = [[] for _ in layers]
+    caches: list[tuple[str, str] | None] = [None] * len(layers)
     codes, all_logits = [], []
     for p in range(N):
         with gb.scope(f"codebook.{p}"):
-            ang = np.float32(p) * inv
-            emb = np.concatenate([ang, ang]).reshape(1, 1, 1, -1)
-            cos, sin = gb.const(np.cos(emb)), gb.const(np.sin(emb))
-            h = x
+            delta = None
             for li, layer in enumerate(layers):
-                q, k, v = layer.qkv(gb, h, cos, sin)
-                keys[li].append(k)
-                values[li].append(v)
-                kk = keys[li][0] if p == 0 else gb.concat(keys[li], 2)
-                vv = values[li][0] if p == 0 else gb.concat(values[li], 2)
-                h = layer.finish(gb, h, q, kk, vv, None)
-            with gb.scope(f"local_transformer.local_lm_heads.{p}"):
-                h = gb.rms_norm_named(h, final_norm, s.rms_eps)
-                logits = gb.unsqueeze(gb.matmul(gb.squeeze(h, [1]), heads[p]), [1])        # [B, 1, V]
+                h, x = layer.input_norm(gb, x, delta)
+                att, caches[li] = layer.attend(gb, h, caches[li], seqlens[p], p + 1, ropes[p], values)
+                h, x = layer.post_attention(gb, x, att)
+                delta = layer.mlp(gb, h)
+            with gb.scope(f"{LOCAL}.norm"):
+                h = gb.skip_rms_norm(x, delta, final_norm, s.rms_eps)[0]
+            with gb.scope(f"local_transformer.local_lm_heads.{p}"), gb.computing(np.float32):
+                logits = gb.to_compute(gb.matmul(h, heads[p]), compute_dtype)              # [B, 1, V] float32
             all_logits.append(logits)
-            hist = gb.op("Gather", [history, gb.const([p], np.int64)], axis=2)              # [B, W, 1]
-            penalized, _, probs = sampling_filter(gb, logits, hist, penalty, temperature, top_k, top_p, vocab=V)
-            with gb.scope("sampling.draw"):
-                argmax = gb.op("ArgMax", [gb.squeeze(penalized, [1])], axis=1, keepdims=0)  # [B]
-                drawn = _draw(gb, gb.squeeze(probs, [1]), gb.op("Gather", [uniform, gb.const(p, np.int64)], axis=1), V)
-                code = gb.op("Where", [greedy, argmax, drawn])                               # [B]
-            codes.append(gb.unsqueeze(code, [1]))
+            with gb.computing(np.float32):
+                penalized, _, probs = filter_logits(gb, logits, seen[p], rows, V)
+                with gb.scope("sampling.draw"):
+                    argmax = gb.op("ArgMax", [penalized], axis=-1, keepdims=1)              # [B, 1, 1]
+                    code = gb.squeeze(gb.op("Where", [greedy, argmax, _draw(gb, probs, draws[p], V)]), [2])  # [B, 1]
+            codes.append(code)
             if p + 1 < N:
-                x = gb.unsqueeze(gb.embedding(code, ckpt.get(f"{LOCAL}.embed_tokens.{p}.weight", dtype=None),
-                                              f"{LOCAL}.embed_tokens.{p}"), [1])             # [B, 1, H]
+                x = gb.embedding(code, ckpt.get(f"{LOCAL}.embed_tokens.{p}.weight", dtype=None),
+                                 f"{LOCAL}.embed_tokens.{p}")                                 # [B, 1, H]
     gb.output(gb.concat(codes, 1), "codes", INT64, ["batch", N])
     gb.output(gb.concat(all_logits, 1), "logits", FLOAT, ["batch", N, V])
     return gb

@@ -63,10 +63,14 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--model", help="MOSS-TTS-Realtime checkpoint directory (or hub id, with the hub extra)")
     e.add_argument("--tokenizer", help="tokenizer.json, or a directory holding it (default: the model directory)")
     e.add_argument("--out", required=True, help="bundle directory to write")
-    e.add_argument("--dtype", default="fp32", choices=["fp32", "fp16", "int8", "int4"],
+    e.add_argument("--dtype", default="fp32", choices=["fp32", "fp16", "bf16", "int8", "int4"],
                    help="weight storage type of the TTS graphs (and of the codec when fp32/fp16)")
     e.add_argument("--codec-dtype", choices=["fp32", "fp16"],
                    help="codec weight storage (default: --dtype if fp32/fp16, else fp32)")
+    # compute dtype: independent of how weights are stored (--dtype)
+    e.add_argument("--compute-dtype", default="fp32", choices=["fp32", "fp16", "bf16"],
+                   help="what the TTS backbone computes in and keeps its KV in: fp32 (CPU), fp16 (CPU or "
+                        "CUDA: half the KV bytes), bf16 (CUDA only)")
     e.set_defaults(func=c.cmd_export)
 
     v = sub.add_parser("verify", help="check every file of a bundle against its manifest's sha256")

@@ -73,7 +73,8 @@ def cmd_export(args) -> None:
     if model_dir:
         from export.tts_export import export_tts
 
-        export_tts(model_dir, writer, args.dtype, progress, progress_bar=True)
+        export_tts(model_dir, writer, args.dtype, progress, progress_bar=True,
+                   compute_dtype=getattr(args, "compute_dtype", "fp32"))
         export_tokenizer(tokenizer, writer)
     path = writer.finish()
     progress(f"bundle written: {path.parent}")
@@ -87,6 +88,10 @@ def cmd_verify(args) -> None:
     total = sum(e.bytes for e in bundle.info.files.values())
     print(f"{args.bundle}: {len(names)} files, {total / 2**20:.1f} MiB, every sha256 matches the manifest "
           f"(bundle {bundle.identity})")
+    from engine.graph_stats import node_count_lines, node_counts
+
+    print("graph nodes:")
+    print("\n".join(node_count_lines(node_counts(bundle))))
     if args.provider:
         report_placement(bundle, args.provider)
 

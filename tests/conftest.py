@@ -49,26 +49,27 @@ def codec(codec_bundle_dir):
 TTS_CHECKPOINT = GOLDEN / "checkpoints" / "tts"
 
 
-def _export_tts_bundle(tmp_path_factory, dtype: str) -> Path:
+def _export_tts_bundle(tmp_path_factory, dtype: str, compute_dtype: str) -> Path:
     from export.bundle import BundleWriter
     from export.tts_export import export_tts
 
-    out = tmp_path_factory.mktemp(f"bundle_tts_{dtype}")
+    out = tmp_path_factory.mktemp(f"bundle_tts_{dtype}_{compute_dtype}")
     writer = BundleWriter(out)
-    export_tts(TTS_CHECKPOINT, writer, dtype=dtype)
+    export_tts(TTS_CHECKPOINT, writer, dtype=dtype, compute_dtype=compute_dtype)
     writer.finish()
     return out
 
 
 @pytest.fixture(scope="session")
 def tts_bundle_for(tmp_path_factory):
-    """``tts_bundle_for(dtype)``: the golden TTS checkpoint exported with that dtype, once per session."""
-    cache: dict[str, Path] = {}
+    """``tts_bundle_for(dtype, compute_dtype="fp32")``: the golden TTS checkpoint exported with that weight
+    storage and compute dtype, once per session."""
+    cache: dict[tuple[str, str], Path] = {}
 
-    def get(dtype: str) -> Path:
-        if dtype not in cache:
-            cache[dtype] = _export_tts_bundle(tmp_path_factory, dtype)
-        return cache[dtype]
+    def get(dtype: str, compute_dtype: str = "fp32") -> Path:
+        if (dtype, compute_dtype) not in cache:
+            cache[dtype, compute_dtype] = _export_tts_bundle(tmp_path_factory, dtype, compute_dtype)
+        return cache[dtype, compute_dtype]
 
     return get
 
@@ -80,21 +81,34 @@ def tts_bundle_dir(tts_bundle_for) -> Path:
 
 # ---------------------------------------------------------------------------------------------- full bundle
 # Codec + TTS + tokenizer from the golden checkpoints: what the engine (generation, sessions) runs on.
-@pytest.fixture(scope="session")
-def full_bundle_dir(tmp_path_factory):
+def _export_full_bundle(tmp_path_factory, dtype: str = "fp32", compute_dtype: str = "fp32") -> Path:
     from export.bundle import BundleWriter
     from export.codec_export import export_codec
     from export.demo import TOKENIZER_JSON
     from export.tokenizer_export import export_tokenizer
     from export.tts_export import export_tts
 
-    out = tmp_path_factory.mktemp("bundle_full")
+    out = tmp_path_factory.mktemp(f"bundle_full_{dtype}_{compute_dtype}")
     writer = BundleWriter(out)
     export_codec(GOLDEN / "checkpoints" / "codec", writer)
-    export_tts(GOLDEN / "checkpoints" / "tts", writer, "fp32")
+    export_tts(GOLDEN / "checkpoints" / "tts", writer, dtype, compute_dtype=compute_dtype)
     export_tokenizer(TOKENIZER_JSON, writer)
     writer.finish()
     return out
+
+
+@pytest.fixture(scope="session")
+def full_bundle_dir(tmp_path_factory):
+    return _export_full_bundle(tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
+def fp16_model(tmp_path_factory):
+    """The full golden bundle with an fp16-compute backbone (fp16 weights, activations and KV)."""
+    from engine.bundle import Bundle
+    from engine.tts import TTSModel
+
+    return TTSModel(Bundle(_export_full_bundle(tmp_path_factory, "fp16", "fp16"), device=TEST_DEVICE))
 
 
 @pytest.fixture(scope="session")

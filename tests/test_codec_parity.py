@@ -162,3 +162,22 @@ def test_streams_advance_by_their_own_counts(codec):
         solo = codec.decode(codes[: pos[s]], 16)
         np.testing.assert_allclose(np.concatenate(pieces[s]), solo, atol=tolerance(solo), rtol=0)
         assert_matches(np.concatenate(pieces[s]), upstream_prefix(LONG, pos[s]))
+
+
+def test_decoder_is_written_with_fused_ops(codec_bundle_dir):
+    """Each decoder layer is LayerNorm / SkipLayerNormalization, RotaryEmbedding, MultiHeadAttention over the
+    ring and the new rows, and one GELU node: no op-by-op attention, RoPE or erf left (419 nodes before on
+    this checkpoint; on a GPU every node is a launch)."""
+    import json
+
+    import onnx
+
+    nodes = onnx.load(str(codec_bundle_dir / "codec_decoder.onnx"), load_external_data=False).graph.node
+    ops = [n.op_type for n in nodes]
+    stages = json.loads((codec_bundle_dir / "manifest.json").read_text())["codec"]["spec"]["decoder"]
+    layers = sum(s["layers"] for s in stages)
+    assert ops.count("MultiHeadAttention") == ops.count("Gelu") == layers
+    assert ops.count("RotaryEmbedding") == 2 * layers
+    assert not {"Softmax", "Erf"} & set(ops)
+    assert ops.count("Cos") == len(stages)                                  # one rotary table per stage
+    assert len(nodes) <= 240, len(nodes)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -85,3 +86,26 @@ def test_sharded_bf16_tts_checkpoint(tmp_path):
                    params=model.default_sampling(greedy=True, repetition_penalty=1.0))
     assert gen.codes.shape == (3, 16)
     assert (gen.codes[0] == g["greedy_codes"][0]).mean() >= 0.5
+
+
+def test_compute_dtype_export_and_bf16_refused_on_cpu(tmp_path):
+    """--compute-dtype is recorded in the manifest and sets the backbone's KV type; a bf16 bundle is refused on
+    the CPU provider with a message naming CUDA (exit status 2), and verify prints each graph's node count."""
+    from export.demo import TOKENIZER_JSON
+
+    tok_dir = tmp_path / "tok"
+    tok_dir.mkdir()
+    shutil.copy(TOKENIZER_JSON, tok_dir / "tokenizer.json")
+    proc = mossrt("export", "--model", GOLDEN / "checkpoints/tts", "--codec", GOLDEN / "checkpoints/codec",
+                  "--tokenizer", tok_dir, "--out", tmp_path / "b", "--dtype", "bf16", "--compute-dtype", "bf16")
+    assert proc.returncode == 0, proc.stderr
+    m = json.loads((tmp_path / "b" / "manifest.json").read_text())
+    assert m["tts"]["dtype"] == "bf16" and m["tts"]["compute_dtype"] == "bf16"
+    kv = [v for v in m["graphs"]["backbone"]["inputs"] if v["name"] == "past_key.0"][0]
+    assert kv["dtype"] == "bfloat16"
+    proc = mossrt("synth", "--bundle", tmp_path / "b", "--text", "hi", "--out", tmp_path / "o.wav", "--device", "cpu")
+    assert proc.returncode == 2 and "CUDA" in proc.stderr and "--compute-dtype fp16" in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr
+    proc = mossrt("verify", "--bundle", tmp_path / "b")
+    assert proc.returncode == 0, proc.stderr
+    assert re.search(r"backbone +\d+ nodes", proc.stdout) and re.search(r"depth +[\d,]+ nodes", proc.stdout)

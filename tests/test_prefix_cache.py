@@ -161,3 +161,46 @@ def test_text_only_turns_copy_the_header_too_and_user_turns_the_system_block(mod
         assert scheduler.prefix_cache.stats.entries == 1
     finally:
         scheduler.stop()
+
+
+def test_fp16_kv_slots_and_prefixes(model, fp16_model):
+    """An fp16-compute bundle keeps its KV slots and cached prefixes in float16: half the bytes per row of
+    fp32, and a warmed prefix is still bitwise the rows a prefill writes."""
+    from engine.scheduler import Scheduler
+    from engine.session import StreamingSession
+
+    assert model.kv_dtype == np.float32 and fp16_model.kv_dtype == np.float16
+    assert 2 * fp16_model.kv_bytes_per_slot(4096) == model.kv_bytes_per_slot(4096)
+    pool = fp16_model.kv_pool(2, 64)
+    assert pool.nbytes_per_slot == fp16_model.kv_bytes_per_slot(64)
+    voice = golden("tts/tts_multiturn.npz")["voice_prompt_codes"].T
+    scheduler = Scheduler(fp16_model, slots=1, prefix_cache_bytes=16 * 2**20)
+    try:
+        kv = scheduler.warm_prefix(voice)
+    finally:
+        scheduler.stop()
+    assert kv.dtype == np.float16 and scheduler.prefix_cache.stats.bytes == kv.nbytes
+    s = StreamingSession(fp16_model, voice_codes=voice, params=fp16_model.default_sampling(greedy=True))
+    s.begin_turn()
+    s.push_token_ids(fp16_model.tokenizer.encode(TEXT))
+    np.testing.assert_array_equal(kv, s.runner.context_kv(s.stream)[:, :, :, :kv.shape[3]])
+    frames = s.end_text() + s.drain(max_frames=8)        # the fp16 stream goes on to speak
+    assert frames and all(np.isfinite(f.audio).all() for f in frames if f.audio is not None)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "fp16", "bf16"])
+def test_kv_pool_rows_in_every_compute_dtype(dtype):
+    """Slot writes, moves and reads keep the pool's own type bit for bit (bfloat16 too: onnxruntime's
+    Python API has no numpy bfloat16, so rows travel by pointer); bytes per row follow the type."""
+    from engine.device import KV_DTYPES
+    from engine.kv import BackboneKVPool
+
+    dt = KV_DTYPES[dtype]
+    pool = BackboneKVPool(2, 2, 8, slots=3, rows=16, dtype=dt)
+    rows = (np.random.default_rng(0).standard_normal((2, 2, 2, 5, 8))).astype(dt)
+    pool.copy_rows(rows, 0)
+    pool.move(0, 2)
+    back = pool.rows_of(2)
+    assert back.dtype == dt and pool.lengths[2] == 5
+    np.testing.assert_array_equal(back.view(np.uint8), rows.view(np.uint8))
+    assert pool.nbytes_per_slot == BackboneKVPool.bytes_per_slot(2, 2, 8, 16, dt) == 2 * 2 * 2 * 17 * 8 * dt.itemsize

@@ -36,11 +36,12 @@ class Graphs:
         make = lambda name: ort.InferenceSession(str(bundle_dir / f"{name}.onnx"), opts,
                                                  providers=["CPUExecutionProvider"])
         self.cfg = self.manifest["tts"]["config"]
+        self.kv_dtype = {"fp32": np.float32, "fp16": np.float16}[self.manifest["tts"].get("compute_dtype", "fp32")]
         self.backbone, self.depth, self.filter = make("backbone"), make("depth"), make("sampling_filter")
 
     def kv_buffer(self, batch: int, capacity: int) -> np.ndarray:
         c = self.cfg
-        return np.zeros((c["layers"], 2, batch, c["kv_heads"], capacity, c["head_dim"]), np.float32)
+        return np.zeros((c["layers"], 2, batch, c["kv_heads"], capacity, c["head_dim"]), self.kv_dtype)
 
     def step(self, kv: np.ndarray, rows: np.ndarray, past_len) -> np.ndarray:
         """rows [B, T, 17] at positions past_len[b].. → hidden [B, T, H]; the graph writes the new K/V into
@@ -48,7 +49,9 @@ class Graphs:
         binding = self.backbone.io_binding()
         binding.bind_output("hidden", "cpu")
         binding.bind_cpu_input("grid", np.ascontiguousarray(rows, dtype=np.int64))
-        binding.bind_cpu_input("past_len", np.asarray(past_len, dtype=np.int64))
+        binding.bind_cpu_input("position_ids", np.asarray(past_len, np.int64)[:, None] + np.arange(rows.shape[1]))
+        binding.bind_cpu_input("seqlens_k", (np.asarray(past_len) + rows.shape[1] - 1).astype(np.int32))
+        binding.bind_cpu_input("total_sequence_length", np.array(kv.shape[4], np.int32))   # the capacity
         for layer in range(self.cfg["layers"]):
             for j, kind in enumerate(("key", "value")):
                 view = kv[layer, j]
@@ -323,6 +326,44 @@ def test_filter_switches(graphs):
     assert np.allclose(probs[0].max(-1), 1.0)
 
 
+def test_top_p_zero_keeps_only_the_max(graphs):
+    """top_p 0 drops every entry of the ascending cumulative sum but the max (upstream always keeps it)."""
+    logits = tts_golden("text_only")["frame0_logits"][None]
+    _, probs = graphs.sampling_filter(logits, np.full((1, 1, 16), HIST_PAD), 1.0, 1.0, 0, 0.0)
+    np.testing.assert_array_equal(probs[0], np.eye(1027, dtype=np.float32)[logits[0].argmax(-1)])
+
+
+# inputs onnxruntime reads on the host (shapes, counts, axes): fed from graph data, each is a device→host copy
+# per call and a shape that changes with the data (no CUDA graph capture)
+HOST_SIDE_INPUTS = {"TopK": [1], "Reshape": [1], "Expand": [1], "ConstantOfShape": [0], "Range": [0, 1, 2],
+                    "Slice": [1, 2, 3, 4], "Tile": [1], "Squeeze": [1], "Unsqueeze": [1], "Split": [1],
+                    "ReduceSum": [1], "ReduceMean": [1], "ReduceMax": [1], "CumSum": [1],
+                    "GroupQueryAttention": [6]}
+
+
+def data_to_shape_paths(path) -> list[str]:
+    """Nodes whose host-side inputs depend on the values (not only the shapes) of the graph's inputs."""
+    import onnx
+
+    graph = onnx.load(str(path), load_external_data=False).graph
+    data = {i.name for i in graph.input}
+    bad = []
+    for node in graph.node:
+        host = HOST_SIDE_INPUTS.get(node.op_type, [])
+        bad += [f"{node.name} ({node.op_type} input {i} from {name})" for i, name in enumerate(node.input)
+                if i in host and name in data]
+        if node.op_type != "Shape" and any(name in data for name in node.input):
+            data.update(node.output)
+    return bad
+
+
+@pytest.mark.parametrize("graph", ["depth", "sampling_filter"])
+def test_sampler_shapes_do_not_depend_on_data(tts_bundle_dir, graph):
+    """The frame sampler sorts the whole vocabulary (K = 1027, a constant): no top_k or finite-window
+    reduction feeds a shape, so a call needs no device→host copy and its shapes are fixed per batch."""
+    assert data_to_shape_paths(tts_bundle_dir / f"{graph}.onnx") == []
+
+
 def test_depth_mixed_batch_and_draws(graphs):
     """Row 0 greedy, row 1 sampled in one call: row 0 equals its greedy frame; row 1's codes are the
     inverse-CDF draws (from the host uniforms) of the filter's distribution for its own logits."""
@@ -349,6 +390,21 @@ def test_depth_mixed_batch_and_draws(graphs):
                          top_p=1.0, uniform=rng.random((1, 16), dtype=np.float32))
     ref_greedy, _ = graphs.frame(hidden[1:], hist[1:], penalty=1.1)
     np.testing.assert_array_equal(k1, ref_greedy)
+
+
+def test_depth_is_written_with_fused_ops(tts_bundle_dir):
+    """The local transformer's 16 positions use GroupQueryAttention over this frame's earlier positions, one
+    packed q/k/v and one packed gate/up projection per layer and position, and no per-position transposes:
+    under a fifth of the nodes of the op-by-op graph (5,933 on this checkpoint), the launch count on a GPU."""
+    import onnx
+
+    nodes = onnx.load(str(tts_bundle_dir / "depth.onnx"), load_external_data=False).graph.node
+    ops = [n.op_type for n in nodes]
+    cfg = json.loads((tts_bundle_dir / "manifest.json").read_text())["tts"]["config"]["local"]
+    per_position = cfg["layers"] * 16
+    assert ops.count("GroupQueryAttention") == per_position and "Transpose" not in ops[-100:]
+    assert ops.count("MatMul") + ops.count("MatMulNBits") == per_position * 5 + 16   # qkv, rope, o, gate_up, down; heads
+    assert len(nodes) <= 1750, len(nodes)
 
 
 # ---------------------------------------------------------------------------------------------- reduced precision
@@ -456,10 +512,11 @@ def test_int8_storage(tts_bundle_dir, tts_bundle_for):
     int8_dir = tts_bundle_for("int8")
     model = onnx.load(str(int8_dir / "backbone.onnx"), load_external_data=False)
     dtypes = {t.name: t.data_type for t in model.graph.initializer}
-    assert dtypes["language_model.layers.0.self_attn.q_proj.qw"] == onnx.TensorProto.UINT8
-    assert dtypes["language_model.layers.0.self_attn.q_proj.qw_scale"] == onnx.TensorProto.FLOAT
-    assert dtypes["embed_tokens.0.stored"] == onnx.TensorProto.FLOAT16
-    assert not [t.name for t in model.graph.initializer if t.data_type == onnx.TensorProto.FLOAT and len(t.dims) == 2]
+    assert dtypes["language_model.layers.0.self_attn.qkv_proj.qw"] == onnx.TensorProto.UINT8
+    assert dtypes["language_model.layers.0.self_attn.qkv_proj.qw_scale"] == onnx.TensorProto.FLOAT
+    assert dtypes["embed_tokens.stored"] == onnx.TensorProto.FLOAT16     # the 17 tables, stacked
+    assert not [t.name for t in model.graph.initializer if t.data_type == onnx.TensorProto.FLOAT and len(t.dims) == 2
+                and not t.name.startswith("rotary.")]    # RoPE tables are in the compute dtype
     ops = {n.op_type for n in model.graph.node}
     assert "MatMulNBits" in ops and "DequantizeLinear" not in ops
     size = lambda d: sum(p.stat().st_size for p in d.glob("*.onnx.data"))
@@ -477,7 +534,7 @@ def test_manifest_section(tts_bundle_dir):
     assert tts["source_config"] == json.loads((TTS_CHECKPOINT / "config.json").read_text())
     assert tts["ignored_tensors"] == ["language_model.embed_tokens.weight"]
     bb = manifest["graphs"]["backbone"]
-    assert [i["name"] for i in bb["inputs"][:4]] == ["grid", "past_len", "past_key.0", "past_value.0"]
+    assert [i["name"] for i in bb["inputs"][:4]] == ["grid", "position_ids", "seqlens_k", "total_sequence_length"]
     assert bb["outputs"][:2] == [{"name": f"present_{k}.0", "dtype": "float32", "shape": ["batch", 2, "capacity", 8]}
                                  for k in ("key", "value")]
     assert bb["outputs"][-1] == {"name": "hidden", "dtype": "float32", "shape": ["batch", "rows", 32]}
@@ -538,7 +595,9 @@ def test_bad_config_and_dtype(tmp_path):
     with pytest.raises(CheckpointError, match="yarn"):
         parse_tts_config(cfg)
     with pytest.raises(ValueError, match="dtype"):
-        export_tts(TTS_CHECKPOINT, BundleWriter(tmp_path), dtype="bf16")
+        export_tts(TTS_CHECKPOINT, BundleWriter(tmp_path), dtype="int2")
+    with pytest.raises(ValueError, match="compute dtype"):
+        export_tts(TTS_CHECKPOINT, BundleWriter(tmp_path), compute_dtype="fp8")
 
 
 def test_fixtures_are_local():
@@ -563,3 +622,64 @@ def test_fixtures_are_local():
     shared = "/".join(("..", "shared"))   # spelled apart so this file does not match itself
     for source in tests.glob("*.py"):
         assert shared not in source.read_text(), source
+
+
+# ---------------------------------------------------------------------------------------------- compute dtype
+def test_fp16_compute_on_cpu(tts_bundle_dir, tts_bundle_for):
+    """An fp16-compute backbone (fp16 weights, activations and KV) on the CPU provider against the fp32
+    goldens: teacher-forced hidden states stay close and greedy codes mostly agree (tiny random models
+    have ~1e-3 top-2 margins, so agreement is a stated figure, not exact)."""
+    import onnx
+
+    fp16_dir = tts_bundle_for("fp16", "fp16")
+    manifest = json.loads((fp16_dir / "manifest.json").read_text())
+    assert manifest["tts"]["compute_dtype"] == "fp16"
+    bb = {v["name"]: v["dtype"] for v in manifest["graphs"]["backbone"]["inputs"] + manifest["graphs"]["backbone"]["outputs"]}
+    assert bb["past_key.0"] == bb["present_value.1"] == "float16" and bb["hidden"] == "float32"
+    model = onnx.load(str(fp16_dir / "backbone.onnx"), load_external_data=False)
+    assert not [n.name for n in model.graph.node if n.op_type == "Cast"][1:], "only the hidden output is cast"
+    g = Graphs(fp16_dir)
+    rel = []
+    for case in CASES:
+        gd = tts_golden(case)
+        for rep in ("greedy", "greedy_rep"):
+            hidden, ref = teacher_forced_hidden(g, gd, rep), gd[f"{rep}_step_hidden"]
+            rel += list(np.linalg.norm(hidden - ref, axis=-1) / np.linalg.norm(ref, axis=-1))
+    rates = _agreement(fp16_dir)
+    print(f"fp16 compute: teacher-forced hidden relative error median {np.median(rel):.2e} max {np.max(rel):.2e}; "
+          "greedy code agreement " + ", ".join(f"{k} {v:.2%}" for k, v in rates.items()))
+    assert np.median(rel) < 2e-3 and np.max(rel) < 1e-2
+    # free running follows the first flip: with the depth graph in fp16 too, voice_clone flips at frame 1,
+    # codebook 14 (golden top-2 margin 2.3e-3) and both of its runs diverge from there (48% measured)
+    assert rates["teacher_forced"] >= 0.95 and rates["codebook0"] >= 0.97 and rates["free_running"] >= 0.4
+
+
+def test_fp16_depth_keeps_a_float32_sampler(tts_bundle_dir, tts_bundle_for):
+    """The depth transformer computes in fp16 and its head logits are cast to float32 for the sampler, so the
+    interface is unchanged; teacher-forced against the fp32 depth graph (golden hidden states and history),
+    the logits of the codebooks whose inputs agree stay close and the codes agree per codebook."""
+    import onnx
+
+    fp16_dir = tts_bundle_for("fp16", "fp16")
+    manifest = json.loads((fp16_dir / "manifest.json").read_text())["graphs"]["depth"]
+    assert {v["dtype"] for v in manifest["inputs"] + manifest["outputs"] if v["name"] in ("hidden", "logits")} == {"float32"}
+    graph = onnx.load(str(fp16_dir / "depth.onnx"), load_external_data=False).graph
+    casts = [n for n in graph.node if n.op_type == "Cast" and n.attribute[0].i == onnx.TensorProto.FLOAT]
+    assert len([n for n in casts if "local_lm_heads" in n.name]) == 16          # one per head, nothing else
+    g32, g16 = Graphs(tts_bundle_dir), Graphs(fp16_dir)
+    rel, agree, frames = [], np.zeros(16), 0
+    for case in CASES:
+        gd = tts_golden(case)
+        for penalty, rep in ((1.0, "greedy"), (1.1, "greedy_rep")):
+            raw, hidden = gd[f"{rep}_raw_frames"], gd[f"{rep}_step_hidden"]
+            for f in range(len(raw)):
+                hist = history_of(list(raw[:f]), penalty)
+                (c32, l32), (c16, l16) = g32.frame(hidden[f][None], hist, penalty), g16.frame(hidden[f][None], hist, penalty)
+                same_inputs = np.concatenate([[True], np.cumprod(c32[0] == c16[0])[:-1] > 0])
+                rel += list(np.linalg.norm(l16[0] - l32[0], axis=-1)[same_inputs] / np.linalg.norm(l32[0], axis=-1)[same_inputs])
+                agree += c32[0] == c16[0]
+                frames += 1
+    print(f"fp16 depth vs fp32: logits relative error median {np.median(rel):.2e} max {np.max(rel):.2e}; code agreement "
+          f"per codebook {' '.join(f'{a / frames:.0%}' for a in agree)} (all {agree.sum() / agree.size / frames:.2%})")
+    assert np.median(rel) < 3e-3 and np.max(rel) < 2e-2
+    assert agree.sum() / (16 * frames) >= 0.95 and agree[0] / frames >= 0.97
