@@ -46,6 +46,9 @@ class ServerSettings(BaseSettings):
     ws_max_message_bytes: int = Field(4 * 1024 * 1024, ge=1024, le=64 * 1024 * 1024)
     ws_max_buffered_chars: int = Field(8192, ge=16, le=1_000_000, description="text received but not yet spoken")
     ws_max_turns: int = Field(200, ge=1, le=100_000)
+    # ElevenLabs-compatible routes: their clients send no sampling settings (a seed only as a query parameter)
+    elevenlabs_seed: int | None = Field(None, ge=0, lt=2**32, description="seed when a request names none")
+    elevenlabs_greedy: bool = Field(False, description="greedy decoding on the ElevenLabs routes (reproducible)")
 
     @field_validator("api_keys", "cors_origins", mode="before")
     @classmethod
