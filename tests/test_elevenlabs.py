@@ -160,7 +160,8 @@ def test_output_formats_decode_to_the_right_rate_and_length(server, fmt):
     async def run():
         async with websockets.connect(multi(server, f"output_format={fmt}"), max_size=None) as w:
             await w.send(json.dumps({"text": " ", "context_id": "f"}))
-            await w.send(json.dumps({"text": TEXT, "context_id": "f", "flush": True}))
+            await w.send(json.dumps({"text": TEXT, "context_id": "f"}))
+            await w.send(json.dumps({"text": "", "context_id": "f", "flush": True}))
             await w.send(json.dumps({"context_id": "f", "close_context": True}))
             return audio_of(await context_messages(w, "f")), await native_pcm(server, [TEXT])
 
@@ -225,7 +226,8 @@ def test_bad_messages_get_an_error_and_keep_the_socket(server, message, code):
         async with websockets.connect(multi(server), max_size=None) as w:
             await w.send(message if isinstance(message, str) else json.dumps(message))
             err = await recv_json(w)
-            await w.send(json.dumps({"text": "Still here.", "context_id": "ok", "flush": True}))
+            await w.send(json.dumps({"text": "Still here.", "context_id": "ok"}))
+            await w.send(json.dumps({"context_id": "ok", "flush": True}))
             await w.send(json.dumps({"context_id": "ok", "close_context": True}))
             return err, await context_messages(w, "ok")
 
@@ -247,7 +249,8 @@ def test_oversized_message_closes_with_1009_and_others_keep_speaking(server):
 
     async def other():
         async with websockets.connect(multi(server), max_size=None) as w:
-            await w.send(json.dumps({"text": TEXT, "context_id": "o", "flush": True}))
+            await w.send(json.dumps({"text": TEXT, "context_id": "o"}))
+            await w.send(json.dumps({"context_id": "o", "flush": True}))
             await w.send(json.dumps({"context_id": "o", "close_context": True}))
             return audio_of(await context_messages(w, "o"))
 
@@ -262,7 +265,7 @@ def test_oversized_message_closes_with_1009_and_others_keep_speaking(server):
 
 @pytest.mark.parametrize("query, voice, code", [
     ("output_format=wav_99", "default", "invalid_output_format"),
-    ("inactivity_timeout=999", "default", "invalid_request"),
+    ("inactivity_timeout=0", "default", "invalid_request"),
     ("output_format=pcm_16000", "no-such-voice", "voice_not_found"),
 ])
 def test_bad_connections_are_refused_with_1008(server, query, voice, code):
@@ -290,7 +293,8 @@ def test_api_keys_header_or_first_message(full_bundle_dir, tmp_path):
                 if first_key:
                     first["xi_api_key"] = first_key
                 await w.send(json.dumps(first))
-                await w.send(json.dumps({"text": "Hi.", "context_id": "k", "flush": True}))
+                await w.send(json.dumps({"text": "Hi.", "context_id": "k"}))
+                await w.send(json.dumps({"context_id": "k", "flush": True}))
                 await w.send(json.dumps({"context_id": "k", "close_context": True}))
                 try:
                     msgs = await context_messages(w, "k")
@@ -305,3 +309,42 @@ def test_api_keys_header_or_first_message(full_bundle_dir, tmp_path):
             assert isinstance(audio, bytes) and audio, kw
         err, close = asyncio.run(speak(headers={"xi-api-key": "wrong-key-123"}))
         assert "invalid_api_key" in err and close == 1008
+
+
+def test_our_websocket_and_http_take_sample_rate_and_telephony_formats(server):
+    """The same rates on our own API: ``sample_rate`` on session.update and /v1/audio/speech, ``ulaw`` /
+    ``alaw`` as response_format; lengths follow the rate, and G.711 decodes back near the PCM."""
+    import httpx
+    import websockets
+
+    ref = pcm16(asyncio.run(native_pcm(server, [TEXT]))).astype(np.float32) / 32767
+    want16 = soxr.resample(ref, 24000, 16000, quality="HQ")
+
+    async def ws16():
+        async with websockets.connect(ws_url(server, "/v1/audio/speech/stream"), max_size=None) as w:
+            await recv_json(w)
+            await w.send(json.dumps({"type": "session.update", "greedy": True, "sample_rate": 16000}))
+            assert (await recv_json(w))["session"]["sample_rate"] == 16000
+            await w.send(json.dumps({"type": "input.text", "text": TEXT}))
+            await w.send(json.dumps({"type": "input.done"}))
+            audio = []
+            while True:
+                msg = await asyncio.wait_for(w.recv(), timeout=120)
+                if isinstance(msg, bytes):
+                    audio.append(msg)
+                elif json.loads(msg)["type"] == "response.done":
+                    return b"".join(audio)
+
+    got = pcm16(asyncio.run(ws16())).astype(np.float32) / 32767
+    assert len(got) == len(want16) and np.sqrt(np.mean((got - want16) ** 2)) < 1e-3
+    body = {"model": "tts-1", "input": TEXT, "voice": "alloy", "greedy": True}
+    r = httpx.post(server.base + "/v1/audio/speech", json={**body, "response_format": "ulaw", "sample_rate": 8000},
+                   timeout=120)
+    assert r.status_code == 200 and r.headers["content-type"] == "audio/basic"
+    with av.open(io.BytesIO(r.content), format="mulaw", options={"ar": "8000", "ac": "1"}) as f:
+        decoded = np.concatenate([fr.to_ndarray().reshape(-1) for fr in f.decode(f.streams.audio[0])]) / 32768
+    want8 = soxr.resample(ref, 24000, 8000, quality="HQ")
+    assert len(decoded) == len(want8) and np.sqrt(np.mean((decoded - want8) ** 2)) < 0.01
+    r = httpx.post(server.base + "/v1/audio/speech", json={**body, "response_format": "pcm", "sample_rate": 4000},
+                   timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "sample_rate"

@@ -6,7 +6,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 
-MAX_INACTIVITY_TIMEOUT = 180
+MAX_INACTIVITY_TIMEOUT = 3600   # ElevenLabs documents 180; livekit sends 300 by default
 DEFAULT_INACTIVITY_TIMEOUT = 20
 
 

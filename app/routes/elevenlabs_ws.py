@@ -2,9 +2,10 @@
 
 A thin adapter onto one scheduler stream per socket, exactly like our own WebSocket: the contexts of a
 socket are consecutive assistant turns of one conversation (the KV context carries over), run one at a
-time in the order their text arrived. ``flush`` ends the context's current turn (everything received is
-spoken); ``close_context`` after a flush lets it finish and then sends ``isFinal``; ``close_context``
-before a flush, or a second one, is a barge-in: the turn is cancelled at the next step and the context
+time in the order their text arrived. A ``flush`` without text ends the context's current turn (everything
+received is spoken; livekit sends one, pipecat sends a bare flush); a flush with text is only a hint (text is
+spoken as it arrives). ``close_context`` after such an end lets the turn finish and then sends ``isFinal``;
+``close_context`` with text not yet ended, or a second one, is a barge-in: the turn is cancelled at the next step and the context
 truncated to the audio that was sent. When the conversation's context is nearly full the next turn
 starts a fresh stream. See the README ("ElevenLabs-compatible API").
 """
@@ -262,8 +263,8 @@ class ElevenLabsSession:
             else:
                 ctx.pending.append(text)        # its turn opens later (after a flush: its next turn)
                 self._enqueue(ctx)
-        if msg.flush:
-            self._flush(ctx)
+        if msg.flush and not text:
+            self._flush(ctx)                     # a flush with text is a hint: text is spoken as it comes
         elif msg.text == "" and not self.multi:
             self._flush(ctx)                     # stream-input: {"text": ""} ends the input
             await self._close_context(ctx)
