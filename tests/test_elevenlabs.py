@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import soxr
 
-from service_helpers import LONG_TEXT, PCM_TOLERANCE, TEXT, Server, pcm16
+from service_helpers import LONG_TEXT, PCM_TOLERANCE, TEXT, Server, native_ws_turns, pcm16
 
 DELTAS = [TEXT[i:i + 7] for i in range(0, len(TEXT), 7)]   # a token-streamed utterance
 API_KEY = "eleven-test-key"
@@ -35,24 +35,9 @@ async def recv_json(w, timeout: float = 120) -> dict:
     return json.loads(await asyncio.wait_for(w.recv(), timeout=timeout))
 
 
-async def native_pcm(server, deltas: list[str]) -> bytes:
+async def native_pcm(server, deltas: list[str], **session) -> bytes:
     """Our own WebSocket's audio for the same text, greedy."""
-    import websockets
-
-    async with websockets.connect(ws_url(server, "/v1/audio/speech/stream"), max_size=None) as w:
-        await recv_json(w)
-        await w.send(json.dumps({"type": "session.update", "greedy": True}))
-        await recv_json(w)
-        for d in deltas:
-            await w.send(json.dumps({"type": "input.text", "text": d}))
-        await w.send(json.dumps({"type": "input.done"}))
-        audio = []
-        while True:
-            msg = await asyncio.wait_for(w.recv(), timeout=120)
-            if isinstance(msg, bytes):
-                audio.append(msg)
-            elif json.loads(msg)["type"] == "response.done":
-                return b"".join(audio)
+    return (await native_ws_turns(server, [deltas], **session))[0]
 
 
 async def context_messages(w, context_id: str | None) -> list[dict]:
@@ -320,22 +305,7 @@ def test_our_websocket_and_http_take_sample_rate_and_telephony_formats(server):
     ref = pcm16(asyncio.run(native_pcm(server, [TEXT]))).astype(np.float32) / 32767
     want16 = soxr.resample(ref, 24000, 16000, quality="HQ")
 
-    async def ws16():
-        async with websockets.connect(ws_url(server, "/v1/audio/speech/stream"), max_size=None) as w:
-            await recv_json(w)
-            await w.send(json.dumps({"type": "session.update", "greedy": True, "sample_rate": 16000}))
-            assert (await recv_json(w))["session"]["sample_rate"] == 16000
-            await w.send(json.dumps({"type": "input.text", "text": TEXT}))
-            await w.send(json.dumps({"type": "input.done"}))
-            audio = []
-            while True:
-                msg = await asyncio.wait_for(w.recv(), timeout=120)
-                if isinstance(msg, bytes):
-                    audio.append(msg)
-                elif json.loads(msg)["type"] == "response.done":
-                    return b"".join(audio)
-
-    got = pcm16(asyncio.run(ws16())).astype(np.float32) / 32767
+    got = pcm16(asyncio.run(native_pcm(server, [TEXT], sample_rate=16000))).astype(np.float32) / 32767
     assert len(got) == len(want16) and np.sqrt(np.mean((got - want16) ** 2)) < 1e-3
     body = {"model": "tts-1", "input": TEXT, "voice": "alloy", "greedy": True}
     r = httpx.post(server.base + "/v1/audio/speech", json={**body, "response_format": "ulaw", "sample_rate": 8000},
