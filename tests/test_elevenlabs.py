@@ -102,15 +102,45 @@ def test_multi_context_pcm_equals_our_websocket_and_alignment_covers_the_text(se
         assert "".join(chars) == TEXT
 
 
-def test_barge_in_stops_within_a_step_and_the_socket_goes_on(server):
-    """close_context before a flush cancels: at most one more frame after the close arrives (the one in
-    flight), the isFinal follows, the conversation's next context speaks, and no stream stays busy."""
+def test_alignment_follows_what_the_model_read(server, model):
+    """The characters aligned up to each audio message are exactly those of the ids fed by then: the first
+    frame read the first 12 ids (the text lead), each later frame at most one more; the rest (none here)
+    comes with the last message."""
+    import websockets
+
+    ids = model.tokenizer.encode(TEXT)
+    lead = model.layout.text_lead
+
+    async def run():
+        async with websockets.connect(multi(server), max_size=None) as w:
+            await w.send(json.dumps({"text": TEXT, "context_id": "a"}))
+            await w.send(json.dumps({"context_id": "a", "flush": True}))
+            await w.send(json.dumps({"context_id": "a", "close_context": True}))
+            return await context_messages(w, "a")
+
+    read, fed = "", None
+    for m in asyncio.run(run())[:-1]:
+        read += "".join(m["alignment"]["chars"]) if m["alignment"] else ""
+        n = next(n for n in range(len(ids) + 1) if model.tokenizer.decode(ids[:n]) == read)
+        assert n == lead if fed is None else n in (fed, fed + 1), (fed, n, read)
+        fed = n
+    assert read == TEXT and fed == len(ids)
+
+
+@pytest.mark.parametrize("ended", [False, True])
+def test_barge_in_stops_within_a_step_and_the_socket_goes_on(server, ended):
+    """close_context before the text ended (or a second one after a normal end) cancels: the isFinal
+    follows within a few frames (those already on their way), the conversation's next context speaks,
+    and no stream stays busy."""
     import websockets
 
     async def run():
         async with websockets.connect(multi(server), max_size=None) as w:
             await w.send(json.dumps({"text": " ", "context_id": "long"}))
             await w.send(json.dumps({"text": LONG_TEXT, "context_id": "long"}))
+            if ended:
+                await w.send(json.dumps({"context_id": "long", "flush": True}))
+                await w.send(json.dumps({"context_id": "long", "close_context": True}))
             heard = 0
             while heard < 3:
                 if (await recv_json(w)).get("audio"):

@@ -2,7 +2,7 @@
 protobuf<7, which ours cannot share). Usage: python pipecat_elevenlabs.py WS_URL OUT.json
 
 Speaks two bot utterances as an LLM would (token-streamed text frames between LLMFullResponseStart/End),
-then a third that is interrupted after its first audio. Writes the PCM of each (base64) and the word
+then a third that is interrupted after its first audio while its text is still streaming. Writes the PCM of each (base64) and the word
 timestamps pipecat derived from the alignment."""
 
 from __future__ import annotations
@@ -72,7 +72,8 @@ async def main(url: str, out: str) -> None:
             await utterance(task, text[key])
             await asyncio.wait_for(collector.stopped.wait(), 120)
         collector.audio_seen.clear()
-        await utterance(task, text["long"])
+        # the LLM is still writing when the user barges in: no LLMFullResponseEndFrame before the interruption
+        await task.queue_frames([LLMFullResponseStartFrame(), *[LLMTextFrame(t) for t in text["long"]]])
         await asyncio.wait_for(collector.audio_seen.wait(), 120)
         await task.queue_frame(InterruptionFrame())
         await asyncio.sleep(1.0)
