@@ -17,8 +17,12 @@ from typing import Any
 import av
 import av.error
 import numpy as np
+import soxr
 
 FORMATS: tuple[str, ...] = ("mp3", "opus", "aac", "flac", "wav", "pcm")
+# Headerless 8-bit G.711 for telephony (Twilio, SIP): any rate, 8000 Hz in practice.
+TELEPHONY_FORMATS: tuple[str, ...] = ("ulaw", "alaw")
+ENCODINGS: tuple[str, ...] = FORMATS + TELEPHONY_FORMATS
 CONTENT_TYPES: dict[str, str] = {
     "mp3": "audio/mpeg",
     "opus": "audio/ogg",
@@ -26,8 +30,11 @@ CONTENT_TYPES: dict[str, str] = {
     "flac": "audio/flac",
     "wav": "audio/wav",
     "pcm": "audio/pcm",
+    "ulaw": "audio/basic",
+    "alaw": "audio/x-alaw-basic",
 }
 MIN_SPEED, MAX_SPEED = 0.25, 4.0
+MIN_OUT_RATE, MAX_OUT_RATE = 8000, 48000
 
 # Bitrates for speech: transparent enough for a 24 kHz voice and cheap to stream.
 MP3_BITRATE = 64_000
@@ -72,6 +79,8 @@ _CODECS: dict[str, _CodecSpec] = {
     # The flac muxer reserves 8 KiB of PADDING for a later in-place metadata rewrite; a
     # non-seekable stream can never use it, so don't send it.
     "flac": _CodecSpec("flac", "flac", "s16", None, {"metadata_header_padding": "0"}),
+    "ulaw": _CodecSpec("mulaw", "pcm_mulaw", "s16", None),
+    "alaw": _CodecSpec("alaw", "pcm_alaw", "s16", None),
 }
 
 
@@ -204,7 +213,7 @@ class _PcmBackend:
 class _AvBackend:
     """One ffmpeg encoder + muxer writing to a non-seekable in-memory sink."""
 
-    def __init__(self, spec: _CodecSpec, sample_rate: int) -> None:
+    def __init__(self, spec: _CodecSpec, sample_rate: int, bit_rate: int | None = None) -> None:
         codec = av.codec.Codec(spec.codec, "w")
         rates = codec.audio_rates
         if rates and sample_rate not in rates:
@@ -222,8 +231,8 @@ class _AvBackend:
         self._stream = self._container.add_stream(spec.codec, rate=sample_rate, layout="mono")
         ctx = self._stream.codec_context
         ctx.format = spec.sample_fmt
-        if spec.bit_rate:
-            ctx.bit_rate = spec.bit_rate
+        if bit_rate or spec.bit_rate:
+            ctx.bit_rate = bit_rate or spec.bit_rate
         # Opens the encoder and writes the container header now, so the first write() already
         # returns it and even a stream with no audio is well formed.
         self._container.start_encoding()
@@ -275,14 +284,22 @@ class StreamEncoder:
     `write()` takes mono float samples in [-1, 1] (any chunk length) and returns the encoded
     bytes that are ready now, possibly b"" while a codec fills its frame; `close()` returns the
     rest. Concatenating every returned chunk gives one complete file/stream in `fmt`.
-    `speed` != 1 time-stretches the audio (pitch preserved) before encoding.
+    `speed` != 1 time-stretches the audio (pitch preserved) before encoding. `out_rate` (default:
+    `sample_rate`) resamples it with soxr's streaming resampler, whose state carries across chunks
+    (no clicks at chunk edges; its few ms of filter delay come out at `close()`). `bit_rate`
+    overrides the lossy codecs' default.
     """
 
     content_type: str
 
-    def __init__(self, fmt: str, sample_rate: int = 24000, speed: float = 1.0) -> None:
-        if fmt not in FORMATS:
-            raise ValueError(f"unsupported audio format {fmt!r}; expected one of {', '.join(FORMATS)}")
+    def __init__(self, fmt: str, sample_rate: int = 24000, speed: float = 1.0, out_rate: int | None = None,
+                 bit_rate: int | None = None) -> None:
+        if fmt not in ENCODINGS:
+            raise ValueError(f"unsupported audio format {fmt!r}; expected one of {', '.join(ENCODINGS)}")
+        if out_rate is not None and (isinstance(out_rate, bool) or not isinstance(out_rate, (int, np.integer))
+                                     or not MIN_OUT_RATE <= out_rate <= MAX_OUT_RATE):
+            raise ValueError(f"the output sample rate must be an integer from {MIN_OUT_RATE} to {MAX_OUT_RATE}, "
+                             f"got {out_rate!r}")
         if isinstance(sample_rate, bool) or not isinstance(sample_rate, (int, np.integer)) or sample_rate <= 0:
             raise ValueError(f"sample_rate must be a positive integer, got {sample_rate!r}")
         try:
@@ -293,19 +310,21 @@ class StreamEncoder:
             raise ValueError(f"speed must be between {MIN_SPEED} and {MAX_SPEED}, got {speed!r}")
 
         self.fmt = fmt
-        self.sample_rate = int(sample_rate)
+        self.sample_rate = int(out_rate or sample_rate)
         self.speed = speed_value
+        self._resample = soxr.ResampleStream(int(sample_rate), self.sample_rate, 1, dtype="float32", quality="HQ") \
+            if self.sample_rate != int(sample_rate) else None
         self.content_type = CONTENT_TYPES[fmt]
         self._closed = False
         # Exactly 1.0 bypasses the filter so pcm/wav stay bit-exact.
-        self._stretch = _TimeStretch(self.sample_rate, speed_value) if speed_value != 1.0 else None
+        self._stretch = _TimeStretch(int(sample_rate), speed_value) if speed_value != 1.0 else None
         self._backend: _PcmBackend | _AvBackend
         if fmt == "pcm":
             self._backend = _PcmBackend(b"")
         elif fmt == "wav":
             self._backend = _PcmBackend(wav_stream_header(self.sample_rate, 1))
         else:
-            self._backend = _AvBackend(_CODECS[fmt], self.sample_rate)
+            self._backend = _AvBackend(_CODECS[fmt], self.sample_rate, bit_rate)
 
     def write(self, samples: np.ndarray) -> bytes:
         """Encode a chunk of mono float samples; return the encoded bytes ready now (may be b"").
@@ -323,9 +342,13 @@ class StreamEncoder:
         if not np.isfinite(x).all():
             raise ValueError("samples contain NaN or infinite values")
         x = np.ascontiguousarray(x)
-        if self._stretch is None:
-            return self._backend.encode(x)
-        return b"".join(self._backend.encode(part) for part in self._stretch.push(x))
+        parts = [x] if self._stretch is None else self._stretch.push(x)
+        return b"".join(self._backend.encode(self._resampled(part)) for part in parts)
+
+    def _resampled(self, samples: np.ndarray, last: bool = False) -> np.ndarray:
+        if self._resample is None:
+            return samples
+        return self._resample.resample_chunk(samples, last=last)
 
     def close(self) -> bytes:
         """Flush the time-stretch filter and the encoder, write any trailer; return the last bytes.
@@ -337,6 +360,8 @@ class StreamEncoder:
         self._closed = True
         out: list[bytes] = []
         if self._stretch is not None:
-            out.extend(self._backend.encode(part) for part in self._stretch.flush())
+            out.extend(self._backend.encode(self._resampled(part)) for part in self._stretch.flush())
+        if self._resample is not None:
+            out.append(self._backend.encode(self._resampled(np.zeros(0, np.float32), last=True)))
         out.append(self._backend.finish())
         return b"".join(out)

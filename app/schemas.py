@@ -11,9 +11,9 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, 
 from engine.limits import HARD_MAX_FRAMES
 from engine.sampling import MAX_REPETITION_WINDOW, MAX_SEED, MAX_TOP_K
 
-from .audio_formats import FORMATS, MAX_SPEED, MIN_SPEED
+from .audio_formats import ENCODINGS, MAX_OUT_RATE, MAX_SPEED, MIN_OUT_RATE, MIN_SPEED
 
-ResponseFormat = Literal[FORMATS]  # type: ignore[valid-type]
+ResponseFormat = Literal[ENCODINGS]  # type: ignore[valid-type]
 
 
 def _whole_number(value):
@@ -69,6 +69,8 @@ class SpeechRequest(SamplingExtras):
     response_format: ResponseFormat = "mp3"
     speed: Number = Field(1.0, ge=MIN_SPEED, le=MAX_SPEED)
     stream_format: Literal["audio", "sse"] = "audio"
+    # output rate (resampled with soxr; default the model's 24000); ulaw/alaw are for telephony at 8000
+    sample_rate: WholeInt | None = Field(None, ge=MIN_OUT_RATE, le=MAX_OUT_RATE)
     allow_special_tokens: StrictBool = False
 
 

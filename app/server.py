@@ -17,7 +17,7 @@ from engine.bundle import Bundle
 
 from . import errors
 from .metrics import Metrics
-from .routes import ops, speech, voices, web, ws
+from .routes import elevenlabs_http, elevenlabs_ws, ops, speech, voices, web, ws
 from .service import TTSService
 from .settings import ServerSettings
 
@@ -88,7 +88,7 @@ def create_app(settings: ServerSettings, bundle: Bundle) -> FastAPI:
                             "ms": round(1000 * (time.monotonic() - request.state.started), 1)})
         return response
 
-    for module in (ops, speech, voices, ws, web):
+    for module in (ops, speech, voices, ws, elevenlabs_ws, elevenlabs_http, web):
         app.include_router(module.router)
     app.openapi = lambda: _openapi(app)
     return app

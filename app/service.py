@@ -196,13 +196,18 @@ class TTSService:
 
     def start_utterance(self, ids, voice_codes, params: SamplingParams, seed: int | None, sink,
                         max_frames: int | None = None, allow_special_tokens: bool = False,
-                        wait: float | None = None) -> StreamHandle:
+                        wait: float | None = None, text: str | None = None) -> StreamHandle:
         """A stream fed one whole utterance (its ids, then the end of its text). Blocks while it waits for a
-        slot (``wait``, default the queue timeout): call it off the event loop. Closed again if that fails."""
+        slot (``wait``, default the queue timeout): call it off the event loop. Closed again if that fails.
+        ``text`` (whose tokenization ``ids`` is) is fed as text instead, the same ids, so that frames say
+        which characters they read (alignment)."""
         handle = self.open_stream(voice_codes, params, seed, sink, allow_special_tokens)
         try:
             handle.begin_turn(max_frames=max_frames, wait=wait)
-            handle.push_token_ids(ids)
+            if text is not None:
+                handle.push_text(text)
+            else:
+                handle.push_token_ids(ids)
             handle.end_text()
         except BaseException:
             handle.close()

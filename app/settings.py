@@ -48,6 +48,9 @@ class ServerSettings(BaseSettings):
     ws_max_turns: int = Field(200, ge=1, le=100_000)
     ws_text_timeout: float = Field(30.0, gt=0, le=3600.0, description="seconds a turn waits for more text before "
                                    "its text is ended for it")
+    # ElevenLabs-compatible routes: their clients send no sampling settings (a seed only as a query parameter)
+    elevenlabs_seed: int | None = Field(None, ge=0, lt=2**32, description="seed when a request names none")
+    elevenlabs_greedy: bool = Field(False, description="greedy decoding on the ElevenLabs routes (reproducible)")
 
     @field_validator("api_keys", "cors_origins", mode="before")
     @classmethod

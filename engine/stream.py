@@ -67,6 +67,9 @@ class Frame:
     eos: bool = False
     turn: int = 0            # the stream's turn number (1, 2, ...)
     needs_audio: bool = False  # the codec decodes it: a playable frame of a stream that decodes audio
+    # Characters of the turn's text (NFC, as tokenized) whose ids the model had read when it wrote this
+    # frame (0 for token-id input): the exact basis for alignment. Reading runs 12 ids ahead of speech.
+    text_chars: int = 0
 
 
 @dataclass
@@ -126,6 +129,7 @@ class _Turn:
     input_kind: str | None = None   # "text" or "ids": a turn takes one kind of assistant input
     starved: bool = False
     start_rows: int = 0             # context rows before the turn's prefill
+    fed_text_ids: int = 0           # committed ids fed so far (prefill and step rows)
     prefix_cuts: tuple[int, ...] = ()   # cacheable chunk ends of the prefill (first turn only)
     stats: TurnStats = field(default_factory=TurnStats)
 
@@ -396,6 +400,7 @@ class StreamState:
             if len(t.pending) < lay.text_lead and not t.text_ended:
                 return None
             n = min(lay.text_lead, len(t.pending))
+            t.fed_text_ids += n
             rows = np.concatenate([t.prompt_rows, self.model.prompt.prefill_text(t.pending[:n])])
             del t.pending[:n]
             t.stats.prefill_rows = len(rows)
@@ -407,6 +412,7 @@ class StreamState:
             return None
         if t.pending:
             text_id = t.pending.pop(0)
+            t.fed_text_ids += 1
         elif t.text_ended:
             if self.pad_credit is not None:
                 if self.pad_credit <= 0:
@@ -460,7 +466,7 @@ class StreamState:
         codes = np.asarray(codes, np.int64)
         t.frames.append(codes)
         t.stats.frames += 1
-        frame = Frame(index=len(t.frames) - 1, codes=codes, turn=t.serial)
+        frame = Frame(index=len(t.frames) - 1, codes=codes, turn=t.serial, text_chars=self._chars_read(t))
         if codes[0] == lay.audio_eos:
             frame.eos = True
             self._finish(FinishReason.EOS)
@@ -484,6 +490,11 @@ class StreamState:
                           history=history, turn=t.serial, prefix_cuts=prefix_cuts, start_row=self.fed_rows)
         self._in_flight = req
         return req
+
+    @staticmethod
+    def _chars_read(t: _Turn) -> int:
+        ends = t.committer.char_ends
+        return ends[t.fed_text_ids - 1] if t.input_kind == "text" and t.fed_text_ids else 0
 
     def _queue(self, ids: list[int]) -> int:
         t = self._turn

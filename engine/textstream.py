@@ -98,6 +98,9 @@ class TextCommitter:
         self._scan_len = 0       # tail length at the last split that could not commit
         self.work_chars = 0      # characters pre-tokenized or encoded so far (a linear-cost witness)
         self.committed: list[int] = []
+        # per committed id: how many characters of the (NFC) text it and the ids before it cover
+        self.char_ends: list[int] = []
+        self._committed_chars = 0
         self.finished = False
 
     @property
@@ -186,12 +189,23 @@ class TextCommitter:
                 self._scan_len = len(tail)
                 return []
             cut = chunks[k][0]
-        new = self._backend.encode(tail[:cut], add_special_tokens=False).ids
+        enc = self._backend.encode(tail[:cut], add_special_tokens=False)
+        new = enc.ids
         self.work_chars += cut
         self._tail = tail[cut:]
         self._scan_len = 0
         self.committed.extend(new)
+        self._record_char_ends(enc.offsets, cut)
         return new
+
+    def _record_char_ends(self, offsets: list[tuple[int, int]], cut: int) -> None:
+        """Character ends of newly committed ids: monotonic (byte-level pieces of one character share
+        it), and the last id of a commit ends at the cut, so every character belongs to exactly one id."""
+        end = self._committed_chars
+        for i, (_, b) in enumerate(offsets):
+            end = self._committed_chars + cut if i == len(offsets) - 1 else max(end, self._committed_chars + b)
+            self.char_ends.append(end)
+        self._committed_chars += cut
 
     def _partial_special_start(self, text: str) -> int:
         """Start of the longest suffix that is a proper prefix of an added token (len(text) if none)."""

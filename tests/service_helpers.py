@@ -139,3 +139,31 @@ class Server(Process):
                 pass
             time.sleep(0.2)
         raise RuntimeError(f"server not ready after {timeout} s:\n{self.log()}")
+
+
+async def native_ws_turns(server: "Server", turns: list[list[str]], **session: object) -> list[bytes]:
+    """Our own WebSocket's audio for consecutive turns (text deltas) of one session, greedy unless
+    ``session`` (session.update fields) says otherwise."""
+    import asyncio
+    import json
+
+    import websockets
+
+    out = []
+    async with websockets.connect(server.base.replace("http", "ws") + "/v1/audio/speech/stream", max_size=None) as w:
+        await w.recv()
+        await w.send(json.dumps({"type": "session.update", "greedy": True, **session}))
+        await w.recv()
+        for deltas in turns:
+            for d in deltas:
+                await w.send(json.dumps({"type": "input.text", "text": d}))
+            await w.send(json.dumps({"type": "input.done"}))
+            audio = []
+            while True:
+                msg = await asyncio.wait_for(w.recv(), timeout=120)
+                if isinstance(msg, bytes):
+                    audio.append(msg)
+                elif json.loads(msg)["type"] == "response.done":
+                    break
+            out.append(b"".join(audio))
+    return out

@@ -12,6 +12,7 @@ import soundfile as sf
 
 from app.audio_formats import (
     CONTENT_TYPES,
+    ENCODINGS,
     FORMATS,
     StreamEncoder,
     float_to_pcm16,
@@ -101,8 +102,8 @@ def test_wav_stream_header_bytes() -> None:
 
 def test_formats_and_content_types() -> None:
     assert FORMATS == ("mp3", "opus", "aac", "flac", "wav", "pcm")
-    assert set(CONTENT_TYPES) == set(FORMATS)
-    for fmt in FORMATS:
+    assert set(CONTENT_TYPES) == set(ENCODINGS) == set(FORMATS) | {"ulaw", "alaw"}
+    for fmt in ENCODINGS:
         enc = StreamEncoder(fmt)
         assert enc.content_type == CONTENT_TYPES[fmt]
         enc.close()

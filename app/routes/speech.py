@@ -50,9 +50,9 @@ async def create_speech(body: SpeechRequest, request: Request):
     except InputError as e:
         raise ApiError(400, str(e), param="input", code="invalid_value") from None
     try:
-        encoder = StreamEncoder(body.response_format, model.codec.sample_rate, body.speed)
+        encoder = StreamEncoder(body.response_format, model.codec.sample_rate, body.speed, out_rate=body.sample_rate)
     except ValueError as e:
-        raise ApiError(400, str(e), param="speed", code="invalid_value") from None
+        raise ApiError(400, str(e), param="sample_rate" if body.sample_rate else "speed", code="invalid_value") from None
 
     try:
         # a slot may take up to --queue-timeout seconds to free: wait off the event loop

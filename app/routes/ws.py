@@ -23,11 +23,11 @@ from engine.errors import EngineError
 from engine.scheduler import AsyncSink, FrameEvent, StreamError, StreamHandle, TurnEnd
 from engine.voices import resolve_voice
 
-from ..audio_formats import StreamEncoder
+from ..audio_formats import MAX_OUT_RATE, MIN_OUT_RATE, StreamEncoder
 from ..auth import websocket_key
 from ..errors import ApiError, from_engine
 from ..metrics import FRAME_SECONDS, StreamMeter
-from ..schemas import SamplingExtras, VoiceRef
+from ..schemas import SamplingExtras, VoiceRef, WholeInt
 from ..service import SamplingFields, TTSService
 from ..uploads import decode_upload
 
@@ -47,7 +47,8 @@ class SessionUpdate(SamplingExtras):
     type: str
     event_id: StrictStr | None = None
     voice: StrictStr | VoiceRef | None = None
-    response_format: str | None = Field(None, pattern="^(pcm|wav)$")
+    response_format: str | None = Field(None, pattern="^(pcm|wav|ulaw|alaw)$")
+    sample_rate: WholeInt | None = Field(None, ge=MIN_OUT_RATE, le=MAX_OUT_RATE)   # resampled (soxr)
 
 
 class UserInput(BaseModel):
@@ -114,6 +115,7 @@ class WsSession:
         self.settings = service.settings
         self.session_id = "sess_" + secrets.token_hex(8)
         self.format = "pcm"
+        self.sample_rate: int | None = None     # output rate; None: the model's
         self.voice_spec = None
         self.sampling = SamplingFields()
         self.max_frames: int | None = None
@@ -257,6 +259,8 @@ class WsSession:
             self.voice_spec = voice
         if msg.response_format is not None:
             self.format = msg.response_format
+        if msg.sample_rate is not None:
+            self.sample_rate = msg.sample_rate
         if "seed" in fields and self.handle is not None and msg.seed != self.sampling.seed:
             raise ApiError(400, "the seed can only change before the first turn", param="seed", code="seed_locked")
         merged = {k: getattr(msg, k) if k in fields else getattr(self.sampling, k)
@@ -267,7 +271,8 @@ class WsSession:
         if "max_frames" in fields:
             self.max_frames = msg.max_frames
         await self.send_json({"type": "session.updated", "session": {
-            "format": self.format, "voice": self.voice_spec, "max_frames": self.max_frames,
+            "format": self.format, "sample_rate": self.sample_rate or self.service.model.codec.sample_rate,
+            "voice": self.voice_spec, "max_frames": self.max_frames,
             **{k: v for k, v in self.sampling.__dict__.items()}}})
 
     async def on_user(self, data: dict) -> None:
@@ -427,13 +432,17 @@ class WsSession:
                     self.meter.frame()
                     if event.frame.audio is not None:
                         if encoder is None:
-                            encoder = StreamEncoder(self.format, self.service.model.codec.sample_rate)
+                            encoder = StreamEncoder(self.format, self.service.model.codec.sample_rate,
+                                                    out_rate=self.sample_rate)
                         await self.send_bytes(encoder.write(event.frame.audio))
                         self.meter.audio_sent(FRAME_SECONDS)
                 elif isinstance(event, StreamError):
                     err = from_engine(event.error)
                     await self.error(err.code or "engine_error", err.message, type_=err.type)
                 elif isinstance(event, TurnEnd):
+                    tail = encoder.close() if encoder is not None else b""   # the resampler's last samples
+                    if tail:
+                        await self.send_bytes(tail)
                     encoder = None
                     timing = self.meter.finish()
                     status = "200" if event.stats.finish_reason.value != "error" else "500"

@@ -1,0 +1,1 @@
+"""ElevenLabs-compatible API pieces (output formats, messages, alignment) for the routes in app/routes."""

@@ -1,0 +1,196 @@
+"""ElevenLabs-compatible HTTP: ``POST /v1/text-to-speech/{voice_id}`` (+ ``/stream``, ``/with-timestamps``,
+``/stream/with-timestamps``) and ``GET /v1/voices``.
+
+Each request is one whole utterance on a scheduler stream (as ``/v1/audio/speech``), streamed as it is
+generated. Errors use ElevenLabs' shape, ``{"detail": {"status", "message"}}``, which its SDK and
+pipecat's ``ElevenLabsHttpTTSService`` surface as they are.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, ValidationError
+from starlette.concurrency import run_in_threadpool
+
+from engine.errors import ContextLimitError, EngineError, InputError, TextTooLongError
+from engine.generate import utterance_ids
+from engine.scheduler import AsyncSink, FrameEvent, StreamError, StreamHandle, TurnEnd
+
+from ..audio_formats import StreamEncoder
+from ..auth import _bearer, _known
+from ..elevenlabs.alignment import FRAME_MS, Aligner
+from ..elevenlabs.formats import parse_output_format
+from ..errors import ApiError, from_engine
+from ..metrics import FRAME_SECONDS, StreamMeter
+from ..service import DEFAULT_VOICE, SamplingFields, TTSService
+
+log = logging.getLogger("mossrt.elevenlabs")
+router = APIRouter()
+TTS_PATH = "/v1/text-to-speech/{voice_id}"
+
+
+class TextToSpeechRequest(BaseModel):
+    """The body. ``model_id``, ``voice_settings``, ``language_code``, ``previous_text`` / ``next_text``,
+    pronunciation dictionaries and text-normalisation switches are accepted and ignored."""
+
+    model_config = ConfigDict(extra="ignore")
+    text: StrictStr = Field(min_length=1)
+    model_id: StrictStr | None = None
+    seed: StrictInt | None = Field(None, ge=0, lt=2**32)
+
+
+def _error(status: int, code: str, message: str, headers: dict | None = None) -> JSONResponse:
+    return JSONResponse({"detail": {"status": code, "message": message}}, status_code=status, headers=headers)
+
+
+def _check_key(request: Request) -> None:
+    keys = request.app.state.service.settings.api_keys
+    if keys and not (_known(keys, request.headers.get("xi-api-key"))
+                     or _known(keys, _bearer(request.headers.get("authorization")))):
+        raise ApiError(401, "missing or invalid API key: send the xi-api-key header", code="invalid_api_key")
+
+
+@router.post(TTS_PATH, response_class=Response, include_in_schema=False)
+@router.post(TTS_PATH + "/stream", response_class=Response, include_in_schema=False)
+async def text_to_speech(voice_id: str, request: Request):
+    return await _speak(voice_id, request, timestamps=None)
+
+
+@router.post(TTS_PATH + "/stream/with-timestamps", include_in_schema=False)
+async def text_to_speech_stream_with_timestamps(voice_id: str, request: Request):
+    return await _speak(voice_id, request, timestamps="stream")
+
+
+@router.post(TTS_PATH + "/with-timestamps", include_in_schema=False)
+async def text_to_speech_with_timestamps(voice_id: str, request: Request):
+    return await _speak(voice_id, request, timestamps="whole")
+
+
+@router.get("/v1/voices", include_in_schema=False)
+async def list_voices(request: Request):
+    """ElevenLabs' voice list as clients read it: ``default`` (the model's own timbre), then registered voices."""
+    try:
+        _check_key(request)
+    except ApiError as e:
+        return _error(e.status, e.code or "error", e.message)
+    service: TTSService = request.app.state.service
+    voices = [{"voice_id": DEFAULT_VOICE, "name": "Default", "category": "premade", "labels": {},
+               "description": "the model's own voice (no reference)"}]
+    voices += [{"voice_id": r.id, "name": r.name, "category": "cloned", "labels": {}, "description": None}
+               for r in service.voices.list()]
+    return {"voices": voices, "has_more": False, "total_count": len(voices), "next_page_token": None}
+
+
+async def _speak(voice_id: str, request: Request, timestamps: str | None):
+    path = request.url.path
+    service: TTSService = request.app.state.service
+    metrics = request.app.state.metrics
+    try:
+        _check_key(request)
+        service.require_ready()
+        fmt = parse_output_format(request.query_params.get("output_format"))
+        try:
+            body = TextToSpeechRequest.model_validate(json.loads(await request.body() or b"null"))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ApiError(400, f"the body is not valid JSON: {e}", code="invalid_json") from None
+        except ValidationError as e:
+            err = e.errors()[0]
+            raise ApiError(422, f"{'.'.join(map(str, err['loc'])) or 'body'}: {err['msg']}",
+                           code="invalid_request") from None
+        if not body.text.strip():
+            raise ApiError(400, "text is empty", code="empty_text")
+        voice = service.resolve_voice(voice_id, param="voice_id")
+        params = service.sampling(SamplingFields(greedy=service.settings.elevenlabs_greedy or None))
+        seed = body.seed if body.seed is not None else service.settings.elevenlabs_seed
+        try:
+            ids = utterance_ids(service.model, service.limits, voice, None, text=body.text)
+        except (TextTooLongError, ContextLimitError) as e:
+            raise ApiError(400, str(e), code="text_too_long") from None
+        except InputError as e:
+            raise ApiError(400, str(e), code="invalid_text") from None
+        encoder = fmt.encoder(service.model.codec.sample_rate)
+        try:
+            handle = await run_in_threadpool(service.start_utterance, ids, voice, params, seed, AsyncSink(),
+                                             text=body.text)
+        except BaseException:
+            encoder.close()
+            raise
+    except (ApiError, EngineError) as e:
+        err = e if isinstance(e, ApiError) else from_engine(e)
+        metrics.requests.labels(path, str(err.status)).inc()
+        return _error(err.status, err.code or "error", err.message, err.headers)
+    meter = StreamMeter(metrics, "elevenlabs_http", request.state.started)
+    chunks = _chunks(handle, encoder, meter, metrics, path, Aligner() if timestamps else None, body.text)
+    headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no", "X-Request-Id": request.state.request_id}
+    if timestamps == "whole":
+        return JSONResponse(await _whole(chunks), headers=headers)
+    if timestamps:
+        return StreamingResponse(_ndjson(chunks), media_type="application/json", headers=headers)
+    return StreamingResponse((data async for data, _ in chunks if data), media_type=encoder.content_type,
+                             headers=headers)
+
+
+async def _chunks(handle: StreamHandle, encoder: StreamEncoder, meter: StreamMeter, metrics, path: str,
+                  aligner: Aligner | None, text: str):
+    """(encoded bytes, alignment with absolute times in seconds or None) per frame; the stream, encoder,
+    meter and request count are closed however the loop ends."""
+    status = "client_disconnected"
+    offset_ms = 0.0
+    if aligner is not None:
+        aligner.add(text)
+    try:
+        while True:
+            event = await handle.aget()
+            if isinstance(event, FrameEvent):
+                meter.frame()
+                if event.frame.audio is not None:
+                    data = encoder.write(event.frame.audio)
+                    meter.audio_sent(FRAME_SECONDS)
+                    span = aligner.frame(event.frame.text_chars) if aligner else None
+                    yield data, _absolute(span, offset_ms)
+                    offset_ms += FRAME_MS
+            elif isinstance(event, StreamError):
+                raise event.error
+            elif isinstance(event, TurnEnd):
+                status = "200"
+                yield encoder.close(), _absolute(aligner.rest() if aligner else None, offset_ms)
+                return
+    except EngineError as e:                 # headers are sent: the body can only end early
+        status = str(from_engine(e).status)
+        log.error("elevenlabs speech failed after %d frames: %s", meter.frames, e)
+    finally:
+        handle.close()
+        encoder.close()
+        meter.finish()
+        metrics.requests.labels(path, status).inc()
+
+
+def _absolute(span: dict | None, offset_ms: float) -> dict | None:
+    if span is None:
+        return None
+    starts = [(offset_ms + s) / 1000 for s in span["charStartTimesMs"]]
+    return {"characters": span["chars"], "character_start_times_seconds": starts,
+            "character_end_times_seconds": [s + d / 1000 for s, d in zip(starts, span["charDurationsMs"])]}
+
+
+async def _whole(chunks) -> dict:
+    audio, merged = b"", {"characters": [], "character_start_times_seconds": [], "character_end_times_seconds": []}
+    async for data, alignment in chunks:
+        audio += data
+        for key in merged if alignment else ():
+            merged[key] += alignment[key]
+    return {"audio_base64": base64.b64encode(audio).decode(), "alignment": merged, "normalized_alignment": merged}
+
+
+async def _ndjson(chunks):
+    """One JSON object per line, as ElevenLabs streams with-timestamps."""
+    async for data, alignment in chunks:
+        if data or alignment:
+            line = {"audio_base64": base64.b64encode(data).decode(), "alignment": alignment,
+                    "normalized_alignment": alignment}
+            yield (json.dumps(line, separators=(",", ":")) + "\n").encode()

@@ -1,0 +1,94 @@
+"""pipecat's ElevenLabsTTSService, unmodified, against a server: run in pipecat's own venv (it pins
+protobuf<7, which ours cannot share). Usage: python pipecat_elevenlabs.py WS_URL OUT.json
+
+Speaks two bot utterances as an LLM would (token-streamed text frames between LLMFullResponseStart/End),
+then a third that is interrupted after its first audio while its text is still streaming. Writes the PCM of each (base64) and the word
+timestamps pipecat derived from the alignment."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import sys
+
+from pipecat.frames.frames import (EndFrame, InterruptionFrame, LLMFullResponseEndFrame, LLMFullResponseStartFrame,
+                                   LLMTextFrame, TTSAudioRawFrame, TTSStoppedFrame, TTSTextFrame)
+from pipecat.pipeline.pipeline import Pipeline
+from pipecat.pipeline.runner import PipelineRunner
+from pipecat.pipeline.task import PipelineParams, PipelineTask
+from pipecat.processors.frame_processor import FrameDirection, FrameProcessor
+from pipecat.services.elevenlabs.tts import ElevenLabsTTSService
+from pipecat.services.tts_service import TextAggregationMode
+
+
+class Collector(FrameProcessor):
+    def __init__(self):
+        super().__init__()
+        self.utterances: list[dict] = []
+        self.current: dict | None = None
+        self.stopped = asyncio.Event()
+        self.audio_seen = asyncio.Event()
+
+    def _cur(self) -> dict:
+        if self.current is None:
+            self.current = {"pcm": b"", "words": []}
+            self.utterances.append(self.current)
+        return self.current
+
+    async def process_frame(self, frame, direction: FrameDirection):
+        await super().process_frame(frame, direction)
+        if isinstance(frame, TTSAudioRawFrame):
+            self._cur()["pcm"] += frame.audio
+            self._cur()["rate"] = frame.sample_rate
+            self.audio_seen.set()
+        elif isinstance(frame, TTSTextFrame):
+            self._cur()["words"].append([frame.text, frame.pts])
+        elif isinstance(frame, TTSStoppedFrame):
+            self.current = None
+            self.stopped.set()
+        await self.push_frame(frame, direction)
+
+
+async def utterance(task: PipelineTask, tokens: list[str]) -> None:
+    await task.queue_frames([LLMFullResponseStartFrame(), *[LLMTextFrame(t) for t in tokens],
+                             LLMFullResponseEndFrame()])
+
+
+async def main(url: str, out: str) -> None:
+    text = json.loads(sys.stdin.read())
+    tts = ElevenLabsTTSService(api_key="unused-key", url=url, sample_rate=24000,
+                               settings=ElevenLabsTTSService.Settings(voice="default", model="eleven_flash_v2_5"),
+                               text_aggregation_mode=TextAggregationMode.TOKEN)
+    collector = Collector()
+    task = PipelineTask(Pipeline([tts, collector]), params=PipelineParams(audio_out_sample_rate=24000),
+                        cancel_on_idle_timeout=False)
+    runner = PipelineRunner(handle_sigint=False)
+    run = asyncio.create_task(runner.run(task))
+    result: dict = {}
+    try:
+        for key in ("first", "second"):
+            collector.stopped.clear()
+            await utterance(task, text[key])
+            await asyncio.wait_for(collector.stopped.wait(), 120)
+        collector.audio_seen.clear()
+        # the LLM is still writing when the user barges in: no LLMFullResponseEndFrame before the interruption
+        await task.queue_frames([LLMFullResponseStartFrame(), *[LLMTextFrame(t) for t in text["long"]]])
+        await asyncio.wait_for(collector.audio_seen.wait(), 120)
+        await task.queue_frame(InterruptionFrame())
+        await asyncio.sleep(1.0)
+        collector.current = None            # an interrupted utterance gets no TTSStoppedFrame
+        collector.stopped.clear()
+        await utterance(task, text["after"])
+        await asyncio.wait_for(collector.stopped.wait(), 120)
+        result["utterances"] = [{"pcm": base64.b64encode(u["pcm"]).decode(), "rate": u.get("rate"),
+                                 "words": u["words"]} for u in collector.utterances]
+    finally:
+        await task.queue_frame(EndFrame())
+        await asyncio.wait_for(run, 60)
+    with open(out, "w") as f:
+        json.dump(result, f)
+
+
+if __name__ == "__main__":
+    asyncio.run(main(sys.argv[1], sys.argv[2]))

@@ -1,0 +1,350 @@
+"""The ElevenLabs-compatible WebSockets against a real ``mossrt serve``: PCM equal to our own WebSocket's,
+barge-in, output formats, alignment, bad input. pipecat's own client runs in tests/test_elevenlabs_clients.py."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import json
+
+import av
+import numpy as np
+import pytest
+import soxr
+
+from service_helpers import LONG_TEXT, PCM_TOLERANCE, TEXT, Server, native_ws_turns, pcm16
+
+DELTAS = [TEXT[i:i + 7] for i in range(0, len(TEXT), 7)]   # a token-streamed utterance
+API_KEY = "eleven-test-key"
+
+
+@pytest.fixture(scope="module")
+def server(full_bundle_dir, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("serve_el")
+    with Server(full_bundle_dir, tmp / "voices", tmp / "server.log", "--max-streams", "3", "--queue-timeout", "1",
+                env={"MOSSRT_ELEVENLABS_GREEDY": "1"}) as s:
+        yield s
+
+
+def ws_url(server, path: str) -> str:
+    return server.base.replace("http", "ws") + path
+
+
+async def recv_json(w, timeout: float = 120) -> dict:
+    return json.loads(await asyncio.wait_for(w.recv(), timeout=timeout))
+
+
+async def native_pcm(server, deltas: list[str], **session) -> bytes:
+    """Our own WebSocket's audio for the same text, greedy."""
+    return (await native_ws_turns(server, [deltas], **session))[0]
+
+
+async def context_messages(w, context_id: str | None) -> list[dict]:
+    """A context's messages up to its isFinal (other contexts' are skipped)."""
+    out = []
+    while True:
+        data = await recv_json(w)
+        assert "error" not in data, data
+        if data.get("contextId") != context_id:
+            continue
+        out.append(data)
+        if data.get("isFinal") is True:
+            return out
+
+
+def audio_of(messages: list[dict]) -> bytes:
+    return b"".join(base64.b64decode(m["audio"]) for m in messages if m.get("audio"))
+
+
+def multi(server, query: str = "output_format=pcm_24000", voice: str = "default") -> str:
+    return ws_url(server, f"/v1/text-to-speech/{voice}/multi-stream-input?model_id=eleven_flash_v2_5&{query}")
+
+
+def test_multi_context_pcm_equals_our_websocket_and_alignment_covers_the_text(server):
+    """Two consecutive contexts on one socket (pipecat's messages): each one's PCM equals our own
+    WebSocket's for its text (the second as a second turn of the same conversation is not compared: its
+    context differs), and the alignment gives every character once, in order, within the audio."""
+    import websockets
+
+    async def run():
+        async with websockets.connect(multi(server), max_size=None) as w:
+            got = []
+            for cid in ("c1", "c2"):
+                await w.send(json.dumps({"text": " ", "context_id": cid, "voice_settings": {"stability": 0.5}}))
+                for d in DELTAS:
+                    await w.send(json.dumps({"text": d, "context_id": cid}))
+                await w.send(json.dumps({"context_id": cid, "flush": True}))
+                await w.send(json.dumps({"context_id": cid, "close_context": True}))
+                got.append(await context_messages(w, cid))
+            return got, await native_pcm(server, DELTAS)
+
+    (first, second), ref = asyncio.run(run())
+    pcm = pcm16(audio_of(first))
+    want = pcm16(ref)
+    assert pcm.shape == want.shape and np.abs(pcm - want).max() <= PCM_TOLERANCE
+    assert first[-1] == {"isFinal": True, "contextId": "c1"} and "audio" not in first[-1]
+    assert len(audio_of(second)) > 0
+    for messages in (first, second):
+        chars, t = [], 0.0
+        clock = 0.0
+        for m in messages[:-1]:
+            a = m["alignment"]
+            assert m["normalizedAlignment"] == a
+            if a:
+                assert len(a["chars"]) == len(a["charStartTimesMs"]) == len(a["charDurationsMs"])
+                starts = [clock + s for s in a["charStartTimesMs"]]
+                assert starts == sorted(starts) and starts[0] >= t
+                t = starts[-1]
+                chars += a["chars"]
+            clock += len(base64.b64decode(m["audio"])) / 48       # ms of 24 kHz s16 audio
+            assert t <= clock
+        assert "".join(chars) == TEXT
+
+
+def test_alignment_follows_what_the_model_read(server, model):
+    """The characters aligned up to each audio message are exactly those of the ids fed by then: the first
+    frame read the first 12 ids (the text lead), each later frame at most one more; the rest (none here)
+    comes with the last message."""
+    import websockets
+
+    ids = model.tokenizer.encode(TEXT)
+    lead = model.layout.text_lead
+
+    async def run():
+        async with websockets.connect(multi(server), max_size=None) as w:
+            await w.send(json.dumps({"text": TEXT, "context_id": "a"}))
+            await w.send(json.dumps({"context_id": "a", "flush": True}))
+            await w.send(json.dumps({"context_id": "a", "close_context": True}))
+            return await context_messages(w, "a")
+
+    read, fed = "", None
+    for m in asyncio.run(run())[:-1]:
+        read += "".join(m["alignment"]["chars"]) if m["alignment"] else ""
+        n = next(n for n in range(len(ids) + 1) if model.tokenizer.decode(ids[:n]) == read)
+        assert n == lead if fed is None else n in (fed, fed + 1), (fed, n, read)
+        fed = n
+    assert read == TEXT and fed == len(ids)
+
+
+@pytest.mark.parametrize("ended", [False, True])
+def test_barge_in_stops_within_a_step_and_the_socket_goes_on(server, ended):
+    """close_context before the text ended (or a second one after a normal end) cancels: the isFinal
+    follows within a few frames (those already on their way), the conversation's next context speaks,
+    and no stream stays busy."""
+    import websockets
+
+    async def run():
+        async with websockets.connect(multi(server), max_size=None) as w:
+            await w.send(json.dumps({"text": " ", "context_id": "long"}))
+            await w.send(json.dumps({"text": LONG_TEXT, "context_id": "long"}))
+            if ended:
+                await w.send(json.dumps({"context_id": "long", "flush": True}))
+                await w.send(json.dumps({"context_id": "long", "close_context": True}))
+            heard = 0
+            while heard < 3:
+                if (await recv_json(w)).get("audio"):
+                    heard += 1
+            await w.send(json.dumps({"context_id": "long", "close_context": True}))
+            after = await context_messages(w, "long")
+            await w.send(json.dumps({"text": "Sorry, go on.", "context_id": "next"}))
+            await w.send(json.dumps({"context_id": "next", "flush": True}))
+            await w.send(json.dumps({"context_id": "next", "close_context": True}))
+            nxt = await context_messages(w, "next")
+            await w.send(json.dumps({"text": "more", "context_id": "long"}))
+            refused = await recv_json(w)
+            return after, nxt, refused
+
+    after, nxt, refused = asyncio.run(run())
+    # frames the client received after its close: those in its socket buffer then, plus the one in flight
+    assert len([m for m in after if m.get("audio")]) <= 8
+    assert len(audio_of(nxt)) > 0
+    assert refused["error"] == "context_closed" and refused["contextId"] == "long"
+    import httpx
+    metrics = httpx.get(server.base + "/metrics").text
+    assert "mossrt_generating_streams 0.0" in metrics
+
+
+@pytest.mark.parametrize("fmt", ["pcm_8000", "pcm_16000", "pcm_22050", "pcm_44100", "pcm_48000", "ulaw_8000",
+                                 "alaw_8000", "mp3_44100_128", "mp3_22050_32", "opus_48000_64"])
+def test_output_formats_decode_to_the_right_rate_and_length(server, fmt):
+    """Every format decodes (PyAV) to its rate; PCM rates equal an offline soxr resample of the 24 kHz
+    stream within 1e-3 RMS of full scale (streaming vs whole-signal edge effects); G.711 round-trips."""
+    import websockets
+
+    async def run():
+        async with websockets.connect(multi(server, f"output_format={fmt}"), max_size=None) as w:
+            await w.send(json.dumps({"text": " ", "context_id": "f"}))
+            await w.send(json.dumps({"text": TEXT, "context_id": "f"}))
+            await w.send(json.dumps({"text": "", "context_id": "f", "flush": True}))
+            await w.send(json.dumps({"context_id": "f", "close_context": True}))
+            return audio_of(await context_messages(w, "f")), await native_pcm(server, [TEXT])
+
+    data, ref = asyncio.run(run())
+    ref24 = pcm16(ref).astype(np.float32) / 32767
+    kind, rate = fmt.split("_")[0], int(fmt.split("_")[1])
+    want = soxr.resample(ref24, 24000, rate, quality="HQ")
+    if kind == "pcm":
+        got = pcm16(data).astype(np.float32) / 32767
+        assert len(got) == len(want)
+        assert np.sqrt(np.mean((got - want) ** 2)) < 1e-3
+        return
+    container = {"ulaw": "mulaw", "alaw": "alaw"}.get(kind)
+    with av.open(io.BytesIO(data), format=container, **({"options": {"ar": "8000", "ac": "1"}} if container else {})) as f:
+        st = f.streams.audio[0]
+        decoded = np.concatenate([fr.to_ndarray().reshape(-1) for fr in f.decode(st)])
+        assert st.rate == rate
+    if decoded.dtype == np.int16:
+        decoded = decoded.astype(np.float32) / 32768
+    if container:                       # G.711: exactly one byte per sample, ~8-bit quantisation error
+        assert len(data) == len(want) == len(decoded)
+        assert np.sqrt(np.mean((decoded - want) ** 2)) < 0.01
+    else:                               # lossy codecs: the length within the codec's frame and delay
+        assert abs(len(decoded) - len(want)) <= 2 * 1152 + rate // 10
+
+
+def test_stream_input_single_context(server):
+    """The single-context route: " " opens, text follows, {"text": ""} ends; the final has isFinal and the
+    server closes; the PCM equals our WebSocket's."""
+    import websockets
+
+    async def run():
+        url = ws_url(server, "/v1/text-to-speech/default/stream-input?output_format=pcm_24000")
+        async with websockets.connect(url, max_size=None) as w:
+            await w.send(json.dumps({"text": " ", "generation_config": {"chunk_length_schedule": [50]}}))
+            for d in DELTAS:
+                await w.send(json.dumps({"text": d, "try_trigger_generation": True}))
+            await w.send(json.dumps({"text": ""}))
+            msgs = await context_messages(w, None)
+            await asyncio.wait_for(w.wait_closed(), 30)
+            return msgs, w.close_code, await native_pcm(server, DELTAS)
+
+    msgs, code, ref = asyncio.run(run())
+    assert code == 1000 and msgs[-1] == {"isFinal": True}
+    got, want = pcm16(audio_of(msgs)), pcm16(ref)
+    assert got.shape == want.shape and np.abs(got - want).max() <= PCM_TOLERANCE
+
+
+@pytest.mark.parametrize("message, code", [
+    ({"text": "hi", "context_id": "a", "bogus": 1}, "invalid_message"),
+    ({"text": 5, "context_id": "a"}, "invalid_message"),
+    ({"text": "hi", "context_id": "a", "flush": "yes"}, "invalid_message"),
+    ("not json", "invalid_json"),
+    (["a list"], "invalid_message"),
+])
+def test_bad_messages_get_an_error_and_keep_the_socket(server, message, code):
+    """Errors in ElevenLabs' shape ({"error", "message"}, contextId when known); the socket stays usable
+    and another client's stream is not disturbed."""
+    import websockets
+
+    async def run():
+        async with websockets.connect(multi(server), max_size=None) as w:
+            await w.send(message if isinstance(message, str) else json.dumps(message))
+            err = await recv_json(w)
+            await w.send(json.dumps({"text": "Still here.", "context_id": "ok"}))
+            await w.send(json.dumps({"context_id": "ok", "flush": True}))
+            await w.send(json.dumps({"context_id": "ok", "close_context": True}))
+            return err, await context_messages(w, "ok")
+
+    err, ok = asyncio.run(run())
+    assert err["error"] == code and isinstance(err["message"], str) and "Traceback" not in err["message"]
+    assert len(audio_of(ok)) > 0
+
+
+def test_oversized_message_closes_with_1009_and_others_keep_speaking(server):
+    """A message over the server's frame limit closes that socket (1009, as the protocol's peers do);
+    a context speaking on another socket at the same time is not disturbed."""
+    import websockets
+
+    async def big():
+        async with websockets.connect(multi(server), max_size=None) as w:
+            await w.send(json.dumps({"text": "x" * 5_000_000, "context_id": "a"}))
+            await asyncio.wait_for(w.wait_closed(), 30)
+            return w.close_code
+
+    async def other():
+        async with websockets.connect(multi(server), max_size=None) as w:
+            await w.send(json.dumps({"text": TEXT, "context_id": "o"}))
+            await w.send(json.dumps({"context_id": "o", "flush": True}))
+            await w.send(json.dumps({"context_id": "o", "close_context": True}))
+            return audio_of(await context_messages(w, "o"))
+
+    async def run():
+        return await asyncio.gather(big(), other(), native_pcm(server, [TEXT]))
+
+    code, audio, ref = asyncio.run(run())
+    assert code == 1009
+    got, want = pcm16(audio), pcm16(ref)
+    assert got.shape == want.shape and np.abs(got - want).max() <= PCM_TOLERANCE
+
+
+@pytest.mark.parametrize("query, voice, code", [
+    ("output_format=wav_99", "default", "invalid_output_format"),
+    ("inactivity_timeout=0", "default", "invalid_request"),
+    ("output_format=pcm_16000", "no-such-voice", "voice_not_found"),
+])
+def test_bad_connections_are_refused_with_1008(server, query, voice, code):
+    import websockets
+
+    async def run():
+        async with websockets.connect(multi(server, query, voice), max_size=None) as w:
+            err = await recv_json(w)
+            await asyncio.wait_for(w.wait_closed(), 30)
+            return err, w.close_code
+
+    err, close = asyncio.run(run())
+    assert err["error"] == code and close == 1008
+
+
+def test_api_keys_header_or_first_message(full_bundle_dir, tmp_path):
+    """With keys set: the xi-api-key header, or xi_api_key in the first message, or our Authorization; a
+    bad key closes with 1008."""
+    import websockets
+
+    with Server(full_bundle_dir, tmp_path / "voices", tmp_path / "server.log", "--api-key", API_KEY) as s:
+        async def speak(headers=None, first_key=None):
+            async with websockets.connect(multi(s), additional_headers=headers or {}, max_size=None) as w:
+                first = {"text": " ", "context_id": "k"}
+                if first_key:
+                    first["xi_api_key"] = first_key
+                await w.send(json.dumps(first))
+                await w.send(json.dumps({"text": "Hi.", "context_id": "k"}))
+                await w.send(json.dumps({"context_id": "k", "flush": True}))
+                await w.send(json.dumps({"context_id": "k", "close_context": True}))
+                try:
+                    msgs = await context_messages(w, "k")
+                except AssertionError as e:
+                    await asyncio.wait_for(w.wait_closed(), 30)
+                    return str(e), w.close_code
+                return audio_of(msgs), None
+
+        for kw in ({"headers": {"xi-api-key": API_KEY}}, {"first_key": API_KEY},
+                   {"headers": {"Authorization": f"Bearer {API_KEY}"}}):
+            audio, _ = asyncio.run(speak(**kw))
+            assert isinstance(audio, bytes) and audio, kw
+        err, close = asyncio.run(speak(headers={"xi-api-key": "wrong-key-123"}))
+        assert "invalid_api_key" in err and close == 1008
+
+
+def test_our_websocket_and_http_take_sample_rate_and_telephony_formats(server):
+    """The same rates on our own API: ``sample_rate`` on session.update and /v1/audio/speech, ``ulaw`` /
+    ``alaw`` as response_format; lengths follow the rate, and G.711 decodes back near the PCM."""
+    import httpx
+    import websockets
+
+    ref = pcm16(asyncio.run(native_pcm(server, [TEXT]))).astype(np.float32) / 32767
+    want16 = soxr.resample(ref, 24000, 16000, quality="HQ")
+
+    got = pcm16(asyncio.run(native_pcm(server, [TEXT], sample_rate=16000))).astype(np.float32) / 32767
+    assert len(got) == len(want16) and np.sqrt(np.mean((got - want16) ** 2)) < 1e-3
+    body = {"model": "tts-1", "input": TEXT, "voice": "alloy", "greedy": True}
+    r = httpx.post(server.base + "/v1/audio/speech", json={**body, "response_format": "ulaw", "sample_rate": 8000},
+                   timeout=120)
+    assert r.status_code == 200 and r.headers["content-type"] == "audio/basic"
+    with av.open(io.BytesIO(r.content), format="mulaw", options={"ar": "8000", "ac": "1"}) as f:
+        decoded = np.concatenate([fr.to_ndarray().reshape(-1) for fr in f.decode(f.streams.audio[0])]) / 32768
+    want8 = soxr.resample(ref, 24000, 8000, quality="HQ")
+    assert len(decoded) == len(want8) and np.sqrt(np.mean((decoded - want8) ** 2)) < 0.01
+    r = httpx.post(server.base + "/v1/audio/speech", json={**body, "response_format": "pcm", "sample_rate": 4000},
+                   timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "sample_rate"
