@@ -35,6 +35,13 @@ def pcm16(data: bytes) -> np.ndarray:
     return np.frombuffer(data, "<i2").astype(np.int32)
 
 
+def assert_same_audio(got: np.ndarray, ref: np.ndarray) -> None:
+    """Two greedy renderings of one text: the same length, samples within PCM_TOLERANCE. Not bitwise: the
+    codec's chunking follows the listener's playback clock, and chunkings agree only to float round-off."""
+    assert got.shape == ref.shape, (got.shape, ref.shape)
+    assert np.abs(got - ref).max() <= PCM_TOLERANCE, np.abs(got - ref).max()
+
+
 def to_pcm16(wav: np.ndarray) -> np.ndarray:
     """A float waveform as int16 steps, converted as the service converts."""
     return np.rint(np.clip(wav, -1, 1) * 32767).astype(np.int32)
