@@ -48,6 +48,7 @@ class ServerSettings(BaseSettings):
     ws_max_turns: int = Field(200, ge=1, le=100_000)
     ws_text_timeout: float = Field(30.0, gt=0, le=3600.0, description="seconds a turn waits for more text before "
                                    "its text is ended for it")
+    max_voices: int = Field(1000, ge=1, le=1_000_000, description="registered voices the server keeps at most")
 
     @field_validator("api_keys", "cors_origins", mode="before")
     @classmethod

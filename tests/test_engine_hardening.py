@@ -77,10 +77,10 @@ async def until_type(w, kind: str, timeout: float = 60) -> tuple[dict, list[dict
 
 @pytest.fixture(scope="module")
 def bounded_server(full_bundle_dir, tmp_path_factory):
-    """Two slots, no queueing (a held slot shows as a 429 at once), short WebSocket bounds."""
+    """Two slots, no queueing (a held slot shows as a 429 at once), short WebSocket bounds, two voices."""
     tmp = tmp_path_factory.mktemp("bounds")
     with Server(full_bundle_dir, tmp / "voices", tmp / "server.log", "--max-streams", "2", "--queue-timeout", "0",
-                env={"MOSSRT_WS_IDLE_TIMEOUT": "2", "MOSSRT_WS_TEXT_TIMEOUT": "1"}) as s:
+                env={"MOSSRT_WS_IDLE_TIMEOUT": "2", "MOSSRT_WS_TEXT_TIMEOUT": "1", "MOSSRT_MAX_VOICES": "2"}) as s:
         yield s
 
 
@@ -507,3 +507,57 @@ def test_four_concurrent_bombs_keep_the_server_within_its_memory_bound(bounded_s
     for msg in results[8:]:
         assert msg["type"] == "error" and not msg["fatal"] and "samples to decode" in msg["error"]["message"], msg
     assert grew_mib < BOMB_RSS_BOUND_MIB
+
+
+# ---------------------------------------------------------------------------------------------- item 8
+def test_voice_lookups_use_the_index_and_see_other_processes(tmp_path, monkeypatch):
+    """find() parses no meta.json however many voices there are (the index is built once, at start); a voice
+    another process adds or deletes in the same directory is seen; max_voices is enforced."""
+    import engine.voices
+    from engine.voices import VoiceRegistry
+
+    codes = np.zeros((10, 16), np.int64)
+    writer = VoiceRegistry(tmp_path, "bundle-x")
+    made = [writer.add(f"voice {i}", codes) for i in range(200)]
+    reg = VoiceRegistry(tmp_path, "bundle-x")
+    parsed = []
+    real_loads = engine.voices.json.loads
+    monkeypatch.setattr(engine.voices.json, "loads", lambda *a, **k: parsed.append(1) or real_loads(*a, **k))
+    for rec in made[::7]:
+        assert reg.find(rec.name) == rec and reg.find(rec.id) == rec
+    assert reg.find("no such voice") is None
+    assert not parsed                                      # no disk read per lookup
+    other = writer.add("from another process", codes)      # the directory changed: one rebuild on the miss
+    assert reg.find("from another process") == other and len(reg) == 201
+    writer.delete(made[0].id)
+    assert made[0] not in reg.list() and reg.find(made[0].id) is None and len(reg) == 200
+
+    from engine.errors import VoiceLimitError
+    capped = VoiceRegistry(tmp_path, "bundle-x", max_voices=201)
+    capped.add("the last one that fits", codes)
+    with pytest.raises(VoiceLimitError, match="limit of 201 voices"):
+        capped.add("one too many", codes)
+    capped.delete("the last one that fits")
+    assert capped.add("fits again", codes).name == "fits again"
+
+
+def test_max_voices_is_a_clear_409(bounded_server):
+    import io
+
+    from conftest import golden
+
+    s = bounded_server
+    buf = io.BytesIO()
+    sf.write(buf, golden("codec/codec_short.npz")["wav"], 24000, format="WAV")
+
+    def post(name):
+        return httpx.post(s.base + "/v1/audio/voices", data={"name": name},
+                          files={"audio_sample": ("v.wav", buf.getvalue(), "audio/wav")}, timeout=60)
+
+    ids = [post(f"cap-{i}").json()["id"] for i in range(2)]
+    full = post("cap-2")
+    assert full.status_code == 409, full.text
+    err = full.json()["error"]
+    assert err["code"] == "voice_limit_reached" and "limit of 2 voices" in err["message"]
+    assert httpx.delete(s.base + f"/v1/audio/voices/{ids[0]}").status_code == 200
+    assert post("cap-2").status_code == 200
