@@ -34,7 +34,7 @@ async def create_voice(request: Request, name: str = Form(..., pattern=VOICE_NAM
         service.voices.check_name(name)
     except InputError as e:
         raise ApiError(400, str(e), param="name", code="invalid_value") from None
-    if service.voices.find(name) is not None:
+    if await run_in_threadpool(service.voices.find, name) is not None:    # may rebuild the index from disk
         raise ApiError(409, f"a voice named {name!r} already exists; delete it first or pick another name",
                        param="name", code="voice_exists")
     try:
@@ -53,12 +53,12 @@ async def create_voice(request: Request, name: str = Form(..., pattern=VOICE_NAM
 @router.get("/v1/audio/voices", response_model=VoiceList)
 async def list_voices(request: Request):
     service: TTSService = request.app.state.service
-    return VoiceList(data=[VoiceObject(**r.public()) for r in service.voices.list()])
+    return VoiceList(data=[VoiceObject(**r.public()) for r in await run_in_threadpool(service.voices.list)])
 
 
 @router.get("/v1/audio/voices/{voice_id}", response_model=VoiceObject)
 async def get_voice(voice_id: str, request: Request):
-    rec = request.app.state.service.voices.find(voice_id)
+    rec = await run_in_threadpool(request.app.state.service.voices.find, voice_id)   # may rebuild the index
     if rec is None:
         raise ApiError(404, f"voice {voice_id!r} not found", param="voice_id", code="voice_not_found")
     return VoiceObject(**rec.public())
