@@ -70,7 +70,7 @@ class TTSService:
                              max_context_rows=settings.max_context_rows)
         self.model: TTSModel | None = None
         self.scheduler: Scheduler | None = None
-        self.voices = VoiceRegistry(settings.voices_dir, bundle.identity)
+        self.voices = VoiceRegistry(settings.voices_dir, bundle.identity, max_voices=settings.max_voices)
         self.state = "loading"          # loading -> ready -> draining; failed on a load error
         self.error: str | None = None
         self.created = int(time.time())

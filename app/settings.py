@@ -51,6 +51,7 @@ class ServerSettings(BaseSettings):
     # ElevenLabs-compatible routes: their clients send no sampling settings (a seed only as a query parameter)
     elevenlabs_seed: int | None = Field(None, ge=0, lt=2**32, description="seed when a request names none")
     elevenlabs_greedy: bool = Field(False, description="greedy decoding on the ElevenLabs routes (reproducible)")
+    max_voices: int = Field(1000, ge=1, le=1_000_000, description="registered voices the server keeps at most")
 
     @field_validator("api_keys", "cors_origins", mode="before")
     @classmethod

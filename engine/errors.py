@@ -25,6 +25,10 @@ class VoiceExistsError(InputError):
     """A voice of that name is already registered."""
 
 
+class VoiceLimitError(InputError):
+    """The voice registry holds as many voices as it may (``max_voices``)."""
+
+
 class ConcurrentUseError(InputError):
     """An object that is not thread-safe (a StreamingSession) was used by two threads at once."""
 

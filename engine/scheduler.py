@@ -425,7 +425,8 @@ class Scheduler:
 
     def _detach(self, h: StreamHandle) -> None:
         """Free a closed handle's slot. When that fails (a device copy), the slot stays taken by the closed
-        stream and the detach is retried at the next wake; after MAX_DETACH_ATTEMPTS the engine is broken."""
+        stream and the detach is retried at the next wake; after MAX_DETACH_ATTEMPTS the slot is given up
+        and the engine is broken."""
         if not h.attached:
             return                                      # its attach failed: it never held a runner slot
         try:
@@ -435,7 +436,8 @@ class Scheduler:
             self._detach_failures[id(h)] = tries
             log.error("freeing a stream slot failed (attempt %d of %d): %s", tries, MAX_DETACH_ATTEMPTS, exc)
             with self._cond:
-                self._to_detach.append(h)
+                if tries < MAX_DETACH_ATTEMPTS:
+                    self._to_detach.append(h)
                 if tries == 1:
                     self._reserved += 1                 # still taken: admission must not promise it
             if tries >= MAX_DETACH_ATTEMPTS:

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import soundfile as sf
 
-from .errors import InputError, UnreadableAudioError, VoiceExistsError
+from .errors import InputError, UnreadableAudioError, VoiceExistsError, VoiceLimitError
 from .limits import Limits
 
 Source = str | Path | bytes
@@ -119,16 +119,27 @@ class VoiceRegistry:
     Names are restricted to letters, digits, space, ``_.-`` (64 characters): they never become paths;
     ids are generated (``voice_<hex>``). Codes depend on the codec, so a voice remembers the bundle that
     encoded it and is refused by another bundle.
+
+    Lookups use an in-memory index (id -> record, name -> id) built from the directory at start: O(1),
+    no disk. Another process sharing the directory (a LocalAI backend, a second replica) is seen too: a
+    lookup that misses rebuilds the index when the directory's modification time changed since the last
+    build. At most ``max_voices`` voices (None: no limit); ``add`` raises VoiceLimitError beyond.
     """
 
-    def __init__(self, directory: str | Path, bundle_identity: str):
+    def __init__(self, directory: str | Path, bundle_identity: str, max_voices: int | None = None):
         self.dir = Path(directory)
         self.bundle_identity = bundle_identity
+        self.max_voices = max_voices
         self._lock = threading.Lock()
+        self._by_id: dict[str, VoiceRecord] = {}
+        self._by_name: dict[str, str] = {}
+        self._scanned_mtime: int | None = None
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise InputError(f"voices directory {self.dir}: {e}") from None
+        with self._lock:
+            self._rebuild()
 
     @staticmethod
     def check_name(name) -> str:
@@ -137,35 +148,87 @@ class VoiceRegistry:
                              "(starting with a letter or digit)")
         return name
 
-    def _records(self) -> list[VoiceRecord]:
-        out = []
-        for meta in sorted(self.dir.glob("voice_*/meta.json")):
+    # ------------------------------------------------------------------ the index (callers hold the lock)
+    def _dir_mtime(self) -> int | None:
+        try:
+            return self.dir.stat().st_mtime_ns
+        except OSError:
+            return None
+
+    def _rebuild(self) -> None:
+        """The index from the directory (the one place that reads every ``meta.json``)."""
+        self._scanned_mtime = self._dir_mtime()
+        records = []
+        for meta in self.dir.glob("voice_*/meta.json"):
             try:
-                out.append(VoiceRecord(**json.loads(meta.read_text(encoding="utf-8"))))
+                records.append(VoiceRecord(**json.loads(meta.read_text(encoding="utf-8"))))
             except (OSError, ValueError, TypeError):
                 continue   # a damaged entry is skipped, never fatal
-        return sorted(out, key=lambda r: (r.created_at, r.id))
+        records.sort(key=lambda r: (r.created_at, r.id))
+        self._by_id = {r.id: r for r in records}
+        self._by_name = {}
+        for r in records:
+            self._by_name.setdefault(r.name, r.id)     # the oldest of a (hand-made) duplicate name wins
+
+    def _lookup(self, key: str) -> VoiceRecord | None:
+        rec = self._by_id.get(key)
+        return rec if rec is not None else self._by_id.get(self._by_name.get(key, ""))
+
+    def _insert(self, rec: VoiceRecord) -> None:
+        self._by_id[rec.id] = rec
+        self._by_name.setdefault(rec.name, rec.id)
+        self._scanned_mtime = self._dir_mtime()       # our own change: no rebuild for it
+
+    def _remove(self, rec: VoiceRecord) -> None:
+        self._by_id.pop(rec.id, None)
+        if self._by_name.get(rec.name) == rec.id:
+            del self._by_name[rec.name]
+        self._scanned_mtime = self._dir_mtime()
+
+    def _refresh_if_changed(self) -> bool:
+        """Rebuild when another process changed the directory since the last build; whether it did."""
+        if self._dir_mtime() == self._scanned_mtime:
+            return False
+        self._rebuild()
+        return True
+
+    # ------------------------------------------------------------------ public
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._by_id)
 
     def list(self) -> list[VoiceRecord]:
         with self._lock:
-            return self._records()
+            self._refresh_if_changed()
+            return list(self._by_id.values())
 
     def find(self, key: str) -> VoiceRecord | None:
         """A voice by id or by name."""
         if not isinstance(key, str):
             return None
         with self._lock:
-            for rec in self._records():
-                if key in (rec.id, rec.name):
-                    return rec
-        return None
+            rec = self._lookup(key)
+            if rec is None and self._refresh_if_changed():
+                rec = self._lookup(key)
+            return rec
+
+    def check_room(self) -> None:
+        """VoiceLimitError when the registry is full (checked again, under the lock, by ``add``)."""
+        with self._lock:
+            self._check_room()
+
+    def _check_room(self) -> None:
+        if self.max_voices is not None and len(self._by_id) >= self.max_voices:
+            raise VoiceLimitError(f"the server holds its limit of {self.max_voices} voices; delete one first")
 
     def add(self, name: str, codes: np.ndarray) -> VoiceRecord:
         self.check_name(name)
         codes = np.ascontiguousarray(codes, dtype=np.int64)
         with self._lock:
-            if any(r.name == name for r in self._records()):
+            self._refresh_if_changed()
+            if name in self._by_name:
                 raise VoiceExistsError(f"a voice named {name!r} already exists; delete it first or pick another name")
+            self._check_room()
             vid = "voice_" + secrets.token_hex(8)
             rec = VoiceRecord(id=vid, name=name, created_at=int(_dt.datetime.now(_dt.timezone.utc).timestamp()),
                               frames=int(codes.shape[0]), bundle=self.bundle_identity)
@@ -174,6 +237,7 @@ class VoiceRegistry:
             np.save(tmp / "codes.npy", codes)
             (tmp / "meta.json").write_text(json.dumps(asdict(rec)), encoding="utf-8")
             os.replace(tmp, self.dir / vid)       # atomic: a crash never leaves a half-written voice
+            self._insert(rec)
             return rec
 
     def codes(self, rec: VoiceRecord) -> np.ndarray:
@@ -209,4 +273,5 @@ class VoiceRegistry:
             return None
         with self._lock:
             shutil.rmtree(self.dir / rec.id, ignore_errors=True)
+            self._remove(rec)
         return rec

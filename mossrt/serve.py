@@ -13,7 +13,7 @@ FLAG_FIELDS = ("bundle", "host", "port", "voices_dir", "max_streams", "device", 
                "max_context_rows", "queue_timeout", "drain_timeout", "verify", "log_format", "log_level",
                "max_voice_seconds")
 # bounds against hostile clients (issue 14): their own block so parallel additions merge mechanically
-BOUND_FLAG_FIELDS = ("ws_text_timeout",)
+BOUND_FLAG_FIELDS = ("ws_text_timeout", "max_voices")
 
 
 def load_settings(args):
@@ -101,6 +101,8 @@ def add_serve_parser(sub, runtime_flags, int_in, finite_float) -> None:
     s.add_argument("--ws-text-timeout", type=finite_float,
                    help="seconds a WebSocket turn waits for more text (nothing left to speak) before its text is "
                         "ended for it (MOSSRT_WS_TEXT_TIMEOUT; 30)")
+    s.add_argument("--max-voices", type=int_in(1, 1_000_000),
+                   help="registered voices kept at most; POST /v1/audio/voices is a 409 beyond (MOSSRT_MAX_VOICES; 1000)")
     runtime_flags(s)
     for action in s._actions:                     # device/threads default from the settings, not argparse
         if action.dest in ("device", "threads"):

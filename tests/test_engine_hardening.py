@@ -77,18 +77,24 @@ async def until_type(w, kind: str, timeout: float = 60) -> tuple[dict, list[dict
 
 @pytest.fixture(scope="module")
 def bounded_server(full_bundle_dir, tmp_path_factory):
-    """Two slots, no queueing (a held slot shows as a 429 at once), short WebSocket bounds."""
+    """Two slots, no queueing (a held slot shows as a 429 at once), short WebSocket bounds, two voices."""
     tmp = tmp_path_factory.mktemp("bounds")
     with Server(full_bundle_dir, tmp / "voices", tmp / "server.log", "--max-streams", "2", "--queue-timeout", "0",
-                env={"MOSSRT_WS_IDLE_TIMEOUT": "2", "MOSSRT_WS_TEXT_TIMEOUT": "1"}) as s:
+                env={"MOSSRT_WS_IDLE_TIMEOUT": "2", "MOSSRT_WS_TEXT_TIMEOUT": "1", "MOSSRT_MAX_VOICES": "2"}) as s:
         yield s
+
+
+# text timeout 1 s (+0.5 s polling) + the "Hi" turn's audio (at most ~6 s generated, not paced) + idle 2 s,
+# with a wide margin for a loaded CI machine
+SLOTS_BACK_S = 40
 
 
 def test_ws_turns_that_never_get_input_done_give_their_slots_back(bounded_server):
     """Item 2: two sockets each open a turn and never send input.done — one with "Hi", one with 100,000 ids
     (refused: text_buffer_full). Each turn gets a text_timeout error after the text timeout (1 s) and ends;
-    the idle sockets then close (4008); mossrt_active_streams is back to 0 within text + idle timeout + 8 s,
-    and a fresh request is admitted."""
+    the idle sockets then close (4008, idle timeout 2 s); mossrt_active_streams is back to 0 within
+    SLOTS_BACK_S of the first message, and a fresh request is admitted (two slots, no queueing: a slot
+    still held would be a 429)."""
     import websockets
 
     s = bounded_server
@@ -115,7 +121,7 @@ def test_ws_turns_that_never_get_input_done_give_their_slots_back(bounded_server
         assert codes[-2:] == ["text_timeout", "idle_timeout"] and code == 4008, seen
     assert "text_buffer_full" in [m["error"]["code"] for m in ids if m["type"] == "error"]
     assert [m for m in ids if m["type"] == "response.done"][0]["finish_reason"] == "no_text"
-    wait_metric(s, "mossrt_active_streams", 0, timeout=max(0.0, 1 + 2 + 8 - (time.monotonic() - t0)) + 30)
+    wait_metric(s, "mossrt_active_streams", 0, timeout=max(0.0, SLOTS_BACK_S - (time.monotonic() - t0)))
     r = httpx.post(s.base + "/v1/audio/speech", json={"model": "tts-1", "input": "A fresh request.", "voice": "alloy",
                                                       "response_format": "pcm", "max_frames": 4}, timeout=60)
     assert r.status_code == 200, r.text
@@ -507,3 +513,57 @@ def test_four_concurrent_bombs_keep_the_server_within_its_memory_bound(bounded_s
     for msg in results[8:]:
         assert msg["type"] == "error" and not msg["fatal"] and "samples to decode" in msg["error"]["message"], msg
     assert grew_mib < BOMB_RSS_BOUND_MIB
+
+
+# ---------------------------------------------------------------------------------------------- item 8
+def test_voice_lookups_use_the_index_and_see_other_processes(tmp_path, monkeypatch):
+    """find() parses no meta.json however many voices there are (the index is built once, at start); a voice
+    another process adds or deletes in the same directory is seen; max_voices is enforced."""
+    import engine.voices
+    from engine.voices import VoiceRegistry
+
+    codes = np.zeros((10, 16), np.int64)
+    writer = VoiceRegistry(tmp_path, "bundle-x")
+    made = [writer.add(f"voice {i}", codes) for i in range(200)]
+    reg = VoiceRegistry(tmp_path, "bundle-x")
+    parsed = []
+    real_loads = engine.voices.json.loads
+    monkeypatch.setattr(engine.voices.json, "loads", lambda *a, **k: parsed.append(1) or real_loads(*a, **k))
+    for rec in made[::7]:
+        assert reg.find(rec.name) == rec and reg.find(rec.id) == rec
+    assert reg.find("no such voice") is None
+    assert not parsed                                      # no disk read per lookup
+    other = writer.add("from another process", codes)      # the directory changed: one rebuild on the miss
+    assert reg.find("from another process") == other and len(reg) == 201
+    writer.delete(made[0].id)
+    assert made[0] not in reg.list() and reg.find(made[0].id) is None and len(reg) == 200
+
+    from engine.errors import VoiceLimitError
+    capped = VoiceRegistry(tmp_path, "bundle-x", max_voices=201)
+    capped.add("the last one that fits", codes)
+    with pytest.raises(VoiceLimitError, match="limit of 201 voices"):
+        capped.add("one too many", codes)
+    capped.delete("the last one that fits")
+    assert capped.add("fits again", codes).name == "fits again"
+
+
+def test_max_voices_is_a_clear_409(bounded_server):
+    import io
+
+    from conftest import golden
+
+    s = bounded_server
+    buf = io.BytesIO()
+    sf.write(buf, golden("codec/codec_short.npz")["wav"], 24000, format="WAV")
+
+    def post(name):
+        return httpx.post(s.base + "/v1/audio/voices", data={"name": name},
+                          files={"audio_sample": ("v.wav", buf.getvalue(), "audio/wav")}, timeout=60)
+
+    ids = [post(f"cap-{i}").json()["id"] for i in range(2)]
+    full = post("cap-2")
+    assert full.status_code == 409, full.text
+    err = full.json()["error"]
+    assert err["code"] == "voice_limit_reached" and "limit of 2 voices" in err["message"]
+    assert httpx.delete(s.base + f"/v1/audio/voices/{ids[0]}").status_code == 200
+    assert post("cap-2").status_code == 200

@@ -37,7 +37,8 @@ async def create_speech(body: SpeechRequest, request: Request):
     service.require_ready()
     if not body.input.strip():
         raise ApiError(400, "input is empty", param="input", code="empty_input")
-    voice = service.resolve_voice(body.voice.model_dump() if hasattr(body.voice, "model_dump") else body.voice)
+    voice = await run_in_threadpool(service.resolve_voice,     # a registered voice's codes come from disk
+                                    body.voice.model_dump() if hasattr(body.voice, "model_dump") else body.voice)
     params = service.sampling(SamplingFields(seed=body.seed, temperature=body.temperature, top_p=body.top_p,
                                              top_k=body.top_k, repetition_penalty=body.repetition_penalty,
                                              repetition_window=body.repetition_window, greedy=body.greedy))

@@ -5,7 +5,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Depends, File, Form, Request, UploadFile
 from starlette.concurrency import run_in_threadpool
 
-from engine.errors import InputError, VoiceExistsError
+from engine.errors import InputError, VoiceExistsError, VoiceLimitError
 from engine.voices import VOICE_NAME_PATTERN
 
 from ..auth import require_key
@@ -34,14 +34,17 @@ async def create_voice(request: Request, name: str = Form(..., pattern=VOICE_NAM
         service.voices.check_name(name)
     except InputError as e:
         raise ApiError(400, str(e), param="name", code="invalid_value") from None
-    if service.voices.find(name) is not None:
+    if await run_in_threadpool(service.voices.find, name) is not None:    # may rebuild the index from disk
         raise ApiError(409, f"a voice named {name!r} already exists; delete it first or pick another name",
                        param="name", code="voice_exists")
     try:
+        service.voices.check_room()                  # before any decoding; add() checks again under its lock
         wav, rate = await run_in_threadpool(decode_upload, data, service.limits)
         rec = await run_in_threadpool(service.register_voice, name, wav, rate)
     except VoiceExistsError as e:      # registered by another request meanwhile
         raise ApiError(409, str(e), param="name", code="voice_exists") from None
+    except VoiceLimitError as e:
+        raise ApiError(409, str(e), code="voice_limit_reached") from None
     except InputError as e:
         raise ApiError(400, str(e), param="audio_sample", code="invalid_audio") from None
     return VoiceObject(**rec.public())
@@ -50,12 +53,12 @@ async def create_voice(request: Request, name: str = Form(..., pattern=VOICE_NAM
 @router.get("/v1/audio/voices", response_model=VoiceList)
 async def list_voices(request: Request):
     service: TTSService = request.app.state.service
-    return VoiceList(data=[VoiceObject(**r.public()) for r in service.voices.list()])
+    return VoiceList(data=[VoiceObject(**r.public()) for r in await run_in_threadpool(service.voices.list)])
 
 
 @router.get("/v1/audio/voices/{voice_id}", response_model=VoiceObject)
 async def get_voice(voice_id: str, request: Request):
-    rec = request.app.state.service.voices.find(voice_id)
+    rec = await run_in_threadpool(request.app.state.service.voices.find, voice_id)   # may rebuild the index
     if rec is None:
         raise ApiError(404, f"voice {voice_id!r} not found", param="voice_id", code="voice_not_found")
     return VoiceObject(**rec.public())
@@ -63,7 +66,7 @@ async def get_voice(voice_id: str, request: Request):
 
 @router.delete("/v1/audio/voices/{voice_id}", response_model=DeletedVoice)
 async def delete_voice(voice_id: str, request: Request):
-    rec = request.app.state.service.voices.delete(voice_id)
+    rec = await run_in_threadpool(request.app.state.service.voices.delete, voice_id)   # removes files
     if rec is None:
         raise ApiError(404, f"voice {voice_id!r} not found", param="voice_id", code="voice_not_found")
     return DeletedVoice(id=rec.id)

@@ -255,7 +255,7 @@ class WsSession:
             if self.handle is not None and voice != self.voice_spec:
                 raise ApiError(400, "the voice is part of the session's context: it can only change before the first "
                                "turn (open a new session for another voice)", param="voice", code="voice_locked")
-            self.service.resolve_voice(voice)            # unknown voices fail now, not at the first turn
+            await run_in_threadpool(self.service.resolve_voice, voice)   # unknown voices fail now; reads its codes
             self.voice_spec = voice
         if msg.response_format is not None:
             self.format = msg.response_format
@@ -395,7 +395,7 @@ class WsSession:
             raise ProtocolError("max_turns", f"this session reached its {self.settings.ws_max_turns} turns", True)
         params = self.service.sampling(self.sampling)
         if self.handle is None:
-            voice = self.service.resolve_voice(self.voice_spec)
+            voice = await run_in_threadpool(self.service.resolve_voice, self.voice_spec)   # reads its codes
             self.handle = self.service.open_stream(voice, params, self.sampling.seed, AsyncSink())
             self._sender = asyncio.create_task(self._send_events())
         started = time.monotonic()
