@@ -14,8 +14,11 @@ sampling filter on its own (for tests).
 ``weight_dtype`` is how large weights are stored, ``compute_dtype`` what the backbone computes in
 (activations and its KV slots; see ``GraphBuilder``): its ``hidden`` output is float32 whatever it
 computes in, so the depth graph's interface does not depend on it. The depth graph and the sampler
-compute in float32 (a depth graph in float16 is ``build_depth``'s to make: pass ``compute_dtype`` to its
-GraphBuilder, cast the head logits to float32 and build the sampler inside ``gb.computing(np.float32)``).
+compute in float32. A float16 depth graph needs only ``build_depth``'s own edits: pass ``compute_dtype``
+to its GraphBuilder, cast the ``hidden`` input to ``gb.float_type``, give constants compared with float32
+inputs (``temperature``) an explicit ``np.float32``, cast the head logits to FLOAT and build the sampler
+and the draw inside ``gb.computing(np.float32)`` (tried on set-a: greedy codes equal fp32's on the
+teacher-forced text-only steps, logits within 0.05 of a 14 range, on the CPU provider).
 """
 
 from __future__ import annotations
