@@ -70,6 +70,11 @@ def _bind(formals, names, types: dict[str, str]) -> dict[str, str]:
     return bound
 
 
+# Output constraints that no present input may bind, and the constraint whose type they take then (what
+# onnxruntime's own type inference does): GroupQueryAttention without a past cache writes its present in T.
+_UNBOUND_AS = {"GroupQueryAttention": {"T_CACHE": "T"}}
+
+
 def _output_type(node, sig: Signature | None, bound: dict[str, str], i: int) -> str | None:
     if node.op_type == "Cast":
         return _elem(next(a.i for a in node.attribute if a.name == "to"))
@@ -83,6 +88,9 @@ def _output_type(node, sig: Signature | None, bound: dict[str, str], i: int) -> 
         return f.type[len("tensor("):-1]
     if f.type in bound:
         return bound[f.type]
+    alias = _UNBOUND_AS.get(node.op_type, {}).get(f.type)
+    if alias in bound:                        # a constraint no input binds, whose type another one decides
+        return bound[alias]
     allowed = sig.allowed.get(f.type, ())
     return next(iter(allowed)) if len(allowed) == 1 else None
 
