@@ -46,6 +46,14 @@ class ServerSettings(BaseSettings):
     ws_max_message_bytes: int = Field(4 * 1024 * 1024, ge=1024, le=64 * 1024 * 1024)
     ws_max_buffered_chars: int = Field(8192, ge=16, le=1_000_000, description="text received but not yet spoken")
     ws_max_turns: int = Field(200, ge=1, le=100_000)
+    # what one client may hold: request bodies, read times, streams it stops taking, the shutdown window
+    max_body_bytes: int = Field(1024 * 1024, ge=1024, le=1 << 30, description="largest JSON (non-upload) body")
+    header_timeout: float = Field(10.0, gt=0, le=600.0, description="seconds to send a request's headers")
+    body_timeout: float = Field(60.0, gt=0, le=3600.0, description="seconds for a request's body to arrive")
+    stall_timeout: float = Field(30.0, gt=0, le=3600.0, description="seconds a stream waits for its client "
+                                                                  "to take audio before it ends")
+    shutdown_delay: float = Field(0.0, ge=0.0, le=600.0, description="seconds after SIGTERM with /ready 503 and "
+                                                                   "the listener open (the preStop window)")
 
     @field_validator("api_keys", "cors_origins", mode="before")
     @classmethod
