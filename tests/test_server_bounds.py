@@ -13,6 +13,8 @@ import select
 import signal
 import socket
 import struct
+import subprocess
+import sys
 import threading
 import time
 
@@ -294,6 +296,9 @@ def test_bodies_are_bounded_and_keys_checked_before_reading(full_bundle_dir, tmp
         r = httpx.post(s.base + "/v1/audio/speech", headers=auth, timeout=60,
                        json={"model": "x", "input": "Hello.", "response_format": "pcm"})
         assert r.status_code == 200
+        # decided and documented: the API's description stays open, like the probes
+        for path in ("/openapi.json", "/docs", "/health", "/ready", "/metrics"):
+            assert httpx.get(s.base + path).status_code == 200, path
 
 
 # ---------------------------------------------------------------------------------------------- item 6
@@ -465,3 +470,12 @@ def test_remaining_error_shapes(full_bundle_dir, tmp_path):
         assert surrogate["type"] == "error" and not surrogate["fatal"], surrogate
         assert created["type"] == "response.created" and created["turn"] == 1, created   # the surrogate opened none
         assert deep["type"] == "error" and deep["error"]["code"] == "invalid_json", deep
+
+
+def test_negative_top_k_is_refused_by_the_cli(tmp_path):
+    """``--top-k`` is 0 (off) .. MAX_TOP_K: a negative value is a usage error (status 2), before any work."""
+    proc = subprocess.run([sys.executable, "-m", "mossrt.cli", "synth", "--bundle", str(tmp_path / "none"),
+                           "--text", "hi", "--out", str(tmp_path / "o.wav"), "--top-k", "-4611686018427387904"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "--top-k: must be an integer in 0..1048576" in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr
