@@ -46,9 +46,11 @@ def body_limit(settings: ServerSettings, content_type: str) -> int:
 
 
 class RequestGuard:
-    def __init__(self, app, settings: ServerSettings, metrics: Metrics, counted_elsewhere: str):
+    def __init__(self, app, settings: ServerSettings, metrics: Metrics, counted_elsewhere: str, openapi):
         self.app, self.settings, self.metrics = app, settings, metrics
         self.counted_elsewhere = counted_elsewhere   # a streamed endpoint that counts its requests when they end
+        self._openapi = openapi                      # the app's schema: the route templates of unrouted refusals
+        self._templates: list[tuple[re.Pattern, str]] | None = None
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -125,11 +127,19 @@ class RequestGuard:
         return bounded_receive
 
     def _count(self, scope, status: int) -> None:
-        route = scope.get("route")
-        endpoint = getattr(route, "path", None) or "unmatched"
+        endpoint = getattr(scope.get("route"), "path", None) or self._template(scope["path"])
         # a streamed speech response counts itself when it ends (its status is only known then)
         if (status >= 400 or endpoint != self.counted_elsewhere) and endpoint.startswith("/v1"):
             self.metrics.requests.labels(endpoint, str(status)).inc()
+
+
+    def _template(self, path: str) -> str:
+        """The route template a path matches (a request refused before routing is still counted under its
+        route; never under the raw path, which would let clients create label values)."""
+        if self._templates is None:
+            self._templates = [(re.compile(re.sub(r"\\\{[^}]+\\\}", "[^/]+", re.escape(t)) + "$"), t)
+                               for t in self._openapi().get("paths", {})]
+        return next((t for pattern, t in self._templates if pattern.match(path)), "unmatched")
 
 
 def _too_large(limit: int) -> ApiError:

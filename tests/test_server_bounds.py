@@ -271,6 +271,8 @@ def test_bodies_are_bounded_and_keys_checked_before_reading(full_bundle_dir, tmp
     with Server(full_bundle_dir, tmp_path / "v", tmp_path / "s.log", "--api-key", KEY) as s:
         r = httpx.post(s.base + "/v1/audio/speech", content=b"{not json", headers={"content-type": "application/json"})
         assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", r.text
+        # refused before routing, still counted under its route
+        assert metric(s, "mossrt_requests_total", endpoint="/v1/audio/speech", status="401") == 1
         auth = {"Authorization": f"Bearer {KEY}"}
         cases = [  # (headers, expected status, expected code)
             ({"path": "/v1/audio/speech", "Content-Type": "application/json", "Content-Length": str(HUGE)},
