@@ -205,12 +205,15 @@ class TTSService:
         return handle
 
     async def astart_utterance(self, ids, voice_codes, params: SamplingParams, seed: int | None, sink,
-                               max_frames: int | None = None, allow_special_tokens: bool = False) -> StreamHandle:
-        """``start_utterance`` for the event loop: waiting for a slot awaits and holds no thread, so the
-        queue timeout is the time to the 429 however many requests wait."""
+                               max_frames: int | None = None, allow_special_tokens: bool = False,
+                               arrived: float | None = None) -> StreamHandle:
+        """``start_utterance`` for the event loop: waiting for a slot awaits and holds no thread. The queue
+        timeout counts from ``arrived`` (the request's ``time.monotonic()`` arrival) when given, so it is
+        the time to the 429 however many requests wait."""
+        wait = None if arrived is None else max(0.0, self.settings.queue_timeout - (time.monotonic() - arrived))
         handle = self.open_stream(voice_codes, params, seed, sink, allow_special_tokens)
         try:
-            await handle.abegin_turn(max_frames=max_frames)
+            await handle.abegin_turn(max_frames=max_frames, wait=wait)
             self._feed_utterance(handle, ids)
         except BaseException:
             handle.close()

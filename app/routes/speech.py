@@ -57,7 +57,7 @@ async def create_speech(body: SpeechRequest, request: Request):
     try:
         # a slot may take up to --queue-timeout seconds to free: the wait awaits, holding no thread
         handle = await service.astart_utterance(ids, voice, params, body.seed, AsyncSink(), body.max_frames,
-                                                body.allow_special_tokens)
+                                                body.allow_special_tokens, arrived=request.state.started)
     except BaseException as e:
         encoder.close()
         if not isinstance(e, Exception):
