@@ -4,6 +4,7 @@ may send the key as the ``api_key`` query parameter or the subprotocol ``mossrt.
 from __future__ import annotations
 
 import hmac
+from urllib.parse import urlsplit
 
 from fastapi import Request, WebSocket
 
@@ -22,12 +23,22 @@ def _bearer(header: str | None) -> str | None:
     return None
 
 
-def require_key(request: Request) -> None:
-    """FastAPI dependency for the /v1 HTTP routes."""
-    keys = request.app.state.service.settings.api_keys
-    if keys and not _known(keys, _bearer(request.headers.get("authorization"))):
-        raise ApiError(401, "missing or invalid API key: send 'Authorization: Bearer <key>'",
-                       "invalid_request_error", None, "invalid_api_key", {"WWW-Authenticate": "Bearer"})
+def http_key_error(headers, keys: list[str]) -> ApiError | None:
+    """The 401 for an HTTP request without a valid key (None when keys are off or it has one). The request
+    guard calls it before the body is read."""
+    if keys and not _known(keys, _bearer(headers.get("authorization"))):
+        return ApiError(401, "missing or invalid API key: send 'Authorization: Bearer <key>'",
+                        "invalid_request_error", None, "invalid_api_key", {"WWW-Authenticate": "Bearer"})
+    return None
+
+
+async def require_key(request: Request) -> None:
+    """FastAPI dependency for the /v1 HTTP routes (async: it never waits in the shared thread pool). The
+    request guard has already refused keyless requests before their bodies; this keeps each route's
+    requirement explicit wherever it is mounted."""
+    err = http_key_error(request.headers, request.app.state.service.settings.api_keys)
+    if err is not None:
+        raise err
 
 
 def websocket_key(ws: WebSocket, keys: list[str]) -> tuple[bool, str | None]:
@@ -41,3 +52,13 @@ def websocket_key(ws: WebSocket, keys: list[str]) -> tuple[bool, str | None]:
         if _known(keys, candidate):
             return True, chosen
     return False, chosen
+
+
+def websocket_origin_allowed(ws: WebSocket, cors_origins: list[str]) -> bool:
+    """Browsers always send ``Origin`` on a WebSocket upgrade and never enforce CORS on it, so the server
+    must: a page of this server (same host), or one of ``--cors-origin`` (``*`` = any). No ``Origin`` is a
+    non-browser client: allowed (API keys guard those)."""
+    origin = ws.headers.get("origin")
+    if origin is None or "*" in cors_origins or origin in cors_origins:
+        return True
+    return urlsplit(origin).netloc.lower() == ws.headers.get("host", "").lower()

@@ -12,6 +12,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.cors import CORSMiddleware
 
 from engine.errors import (BundleError, CapacityError, EngineBrokenError, EngineError, GraphError, InputError,
                            OverloadError, StreamClosedError)
@@ -33,6 +34,17 @@ class ApiError(Exception):
 
     def response(self) -> JSONResponse:
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+class JsonCORSMiddleware(CORSMiddleware):
+    """Starlette's CORS, with a refused preflight answered in the service's error shape (not text/plain)."""
+
+    def preflight_response(self, request_headers):
+        response = super().preflight_response(request_headers)
+        if response.status_code != 400:
+            return response
+        headers = {k: v for k, v in response.headers.items() if k.lower() not in ("content-length", "content-type")}
+        return ApiError(400, response.body.decode(), param=None, code="cors_refused", headers=headers).response()
 
 
 def from_engine(exc: Exception, param: str | None = None) -> ApiError:
@@ -57,8 +69,9 @@ def from_engine(exc: Exception, param: str | None = None) -> ApiError:
 
 
 def _validation_error(exc: RequestValidationError) -> ApiError:
-    err = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
-    loc = [str(p) for p in err.get("loc", ()) if p not in ("body", "query", "path", "header")]
+    # of a union's errors (voice: a string or {"id"}), the one that went deepest says what is wrong
+    err = max(exc.errors(), key=lambda e: len(e.get("loc", ())), default={"loc": (), "msg": "invalid request"})
+    loc = [str(p) for p in err.get("loc", ()) if p not in ("body", "query", "path", "header") and not _union_tag(p)]
     param = ".".join(loc) or None
     msg = err.get("msg", "invalid request")
     if err.get("type") == "json_invalid":
@@ -68,6 +81,24 @@ def _validation_error(exc: RequestValidationError) -> ApiError:
             return ApiError(400, "the request body is missing", "invalid_request_error", None, "missing_body")
         return ApiError(400, f"missing required parameter: {param}", "invalid_request_error", param, "missing_parameter")
     return ApiError(400, f"{param}: {msg}" if param else msg, "invalid_request_error", param, "invalid_value")
+
+
+def _unparsable_body(request: Request, exc: StarletteHTTPException) -> ApiError:
+    """A body FastAPI or Starlette could not parse at all (invalid UTF-8, a 5,000-digit integer, nesting
+    deeper than the parser recurses, multipart without a boundary): the same codes as malformed JSON."""
+    cause = exc.__cause__ or exc.__context__
+    if request.headers.get("content-type", "").split(";")[0].strip().lower().startswith("multipart/"):
+        return ApiError(400, f"the multipart body cannot be parsed: {exc.detail}", "invalid_request_error", None,
+                        "invalid_multipart")
+    reason = str(cause)[:200] if cause is not None else str(exc.detail)
+    return ApiError(400, f"the request body is not valid JSON: {reason}", "invalid_request_error", None,
+                    "invalid_json")
+
+
+def _union_tag(part) -> bool:
+    """pydantic names the member of a union it tried in the error's location (``str``, ``VoiceRef``): not a
+    parameter."""
+    return isinstance(part, str) and (part in ("str", "int", "float", "bool") or part[:1].isupper())
 
 
 def install(app: FastAPI) -> None:
@@ -87,7 +118,10 @@ def install(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException):
-        code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(exc.status_code)
+        if exc.status_code == 400 and (exc.__cause__ or exc.__context__) is not None:
+            return _unparsable_body(request, exc).response()        # the body parser failed
+        code = {404: "not_found", 405: "method_not_allowed", 408: "request_timeout",
+                413: "request_too_large"}.get(exc.status_code)
         headers = dict(exc.headers or {})
         if exc.status_code == 405:     # every method any route serves at this path (Starlette names one route's)
             allowed = set()

@@ -26,6 +26,8 @@ class Metrics:
         self.capacity = Gauge("mossrt_capacity_streams", "KV slots (concurrent streams the server admits)",
                               registry=r)
         self.generating = Gauge("mossrt_generating_streams", "Streams with a turn in progress", registry=r)
+        self.stalled = Counter("mossrt_stalled_streams_total", "Streams ended because the client took no audio "
+                               "for the stall timeout", ["transport"], registry=r)
         self.sessions = Gauge("mossrt_websocket_sessions", "Open WebSocket sessions", registry=r)
         self.underruns = Counter("mossrt_stream_underruns_total",
                                  "Times a stream's audio fell behind real time after its first chunk", registry=r)

@@ -46,7 +46,7 @@ class VoiceRef(BaseModel):
 class SamplingExtras(BaseModel):
     """Generation settings beyond OpenAI's fields (all optional; defaults come from the bundle)."""
 
-    seed: WholeInt | None = Field(None, ge=0, lt=MAX_SEED)
+    seed: WholeInt | None = Field(None, ge=0, le=MAX_SEED - 1)    # le: pydantic prints an lt bound as a float
     temperature: Number | None = Field(None, ge=0, le=100)
     top_p: Number | None = Field(None, gt=0, le=1)
     top_k: WholeInt | None = Field(None, ge=0, le=MAX_TOP_K)

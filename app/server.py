@@ -5,17 +5,16 @@ from __future__ import annotations
 
 import json
 import logging
-import secrets
-import time
 from contextlib import asynccontextmanager
 
-from fastapi import FastAPI, Request
-from fastapi.middleware.cors import CORSMiddleware
+from fastapi import FastAPI
 from starlette.concurrency import run_in_threadpool
 
 from engine.bundle import Bundle
 
 from . import errors
+from .errors import JsonCORSMiddleware
+from .guard import RequestGuard
 from .metrics import Metrics
 from .routes import elevenlabs_http, elevenlabs_ws, ops, speech, voices, web, ws
 from .service import TTSService
@@ -65,28 +64,12 @@ def create_app(settings: ServerSettings, bundle: Bundle) -> FastAPI:
     app.state.service = service
     app.state.metrics = metrics
     errors.install(app)
+    # added first, so it runs inside CORS: preflights are answered before it, its refusals get CORS headers
+    app.add_middleware(RequestGuard, settings=settings, metrics=metrics, counted_elsewhere=speech.ENDPOINT,
+                       openapi=lambda: app.openapi())
     if settings.cors_origins:
-        app.add_middleware(CORSMiddleware, allow_origins=settings.cors_origins, allow_methods=["*"],
+        app.add_middleware(JsonCORSMiddleware, allow_origins=settings.cors_origins, allow_methods=["*"],
                            allow_headers=["*"], expose_headers=["X-Request-Id"])
-
-    @app.middleware("http")
-    async def request_context(request: Request, call_next):
-        request.state.started = time.monotonic()
-        request.state.request_id = request.headers.get("x-request-id") or "req_" + secrets.token_hex(8)
-        response = await call_next(request)
-        response.headers.setdefault("X-Request-Id", request.state.request_id)
-        route = request.scope.get("route")
-        endpoint = getattr(route, "path", None) or "unmatched"
-        # a streamed speech response counts itself when it ends (its status is only known then)
-        if response.status_code >= 400 or endpoint != speech.ENDPOINT:
-            if endpoint.startswith("/v1"):
-                metrics.requests.labels(endpoint, str(response.status_code)).inc()
-        if request.url.path not in ("/health", "/ready", "/metrics"):
-            log.info("%s %s -> %d", request.method, request.url.path, response.status_code,
-                     extra={"request_id": request.state.request_id, "method": request.method,
-                            "path": request.url.path, "status": response.status_code,
-                            "ms": round(1000 * (time.monotonic() - request.state.started), 1)})
-        return response
 
     for module in (ops, speech, voices, ws, elevenlabs_ws, elevenlabs_http, web):
         app.include_router(module.router)

@@ -128,12 +128,17 @@ class TTSService:
         finally:
             h.close()
 
-    def drain(self) -> None:
-        """SIGTERM: readiness off, no new streams, running turns get ``drain_timeout`` to finish."""
+    def drain(self, hold: float = 0.0) -> None:
+        """SIGTERM: readiness off and no new streams at once, running turns get ``drain_timeout`` seconds to
+        finish; returns no earlier than ``hold`` seconds (the preStop window, while /ready answers 503),
+        then stops the engine. Blocking."""
+        started = time.monotonic()
         if self.state == "ready" and self.scheduler is not None:
             self.state = "draining"
             finished = self.scheduler.drain(self.settings.drain_timeout)
             log.info("drained (%s)", "all turns finished" if finished else "timeout: remaining streams stopped")
+        self.state = "draining"
+        time.sleep(max(0.0, hold - (time.monotonic() - started)))
         self.close()
 
     def close(self) -> None:
@@ -165,8 +170,8 @@ class TTSService:
         """The one place a request's voice becomes prompt codes: ``default`` / OpenAI names → none (the
         model's own timbre), a registered voice's name or id, or ``{"id": ...}``."""
         key = voice.get("id") if isinstance(voice, dict) else voice
-        if key is None or (isinstance(voice, str) and voice.lower() in (DEFAULT_VOICE, *OPENAI_VOICES)):
-            return None
+        if key is None or (isinstance(key, str) and key.lower() in (DEFAULT_VOICE, *OPENAI_VOICES)):
+            return None                                  # "alloy" and {"id": "alloy"} alike
         if not isinstance(key, str):
             raise ApiError(400, "voice must be a name or {\"id\": ...}", param=param, code="invalid_value")
         rec = self.voices.find(key)
@@ -204,15 +209,35 @@ class TTSService:
         handle = self.open_stream(voice_codes, params, seed, sink, allow_special_tokens)
         try:
             handle.begin_turn(max_frames=max_frames, wait=wait)
-            if text is not None:
-                handle.push_text(text)
-            else:
-                handle.push_token_ids(ids)
-            handle.end_text()
+            self._feed_utterance(handle, ids, text)
         except BaseException:
             handle.close()
             raise
         return handle
+
+    async def astart_utterance(self, ids, voice_codes, params: SamplingParams, seed: int | None, sink,
+                               max_frames: int | None = None, allow_special_tokens: bool = False,
+                               arrived: float | None = None, text: str | None = None) -> StreamHandle:
+        """``start_utterance`` for the event loop: waiting for a slot awaits and holds no thread. The queue
+        timeout counts from ``arrived`` (the request's ``time.monotonic()`` arrival) when given, so it is
+        the time to the 429 however many requests wait."""
+        wait = None if arrived is None else max(0.0, self.settings.queue_timeout - (time.monotonic() - arrived))
+        handle = self.open_stream(voice_codes, params, seed, sink, allow_special_tokens)
+        try:
+            await handle.abegin_turn(max_frames=max_frames, wait=wait)
+            self._feed_utterance(handle, ids, text)
+        except BaseException:
+            handle.close()
+            raise
+        return handle
+
+    @staticmethod
+    def _feed_utterance(handle: StreamHandle, ids, text: str | None) -> None:
+        if text is not None:        # the same ids, fed as text so that frames say which characters they read
+            handle.push_text(text)
+        else:
+            handle.push_token_ids(ids)
+        handle.end_text()
 
     def register_voice(self, name: str, wav: np.ndarray, sample_rate: int) -> VoiceRecord:
         """Encode a reference once with the codec, store its codes, and compute the backbone KV of its

@@ -52,6 +52,14 @@ class ServerSettings(BaseSettings):
     elevenlabs_seed: int | None = Field(None, ge=0, lt=2**32, description="seed when a request names none")
     elevenlabs_greedy: bool = Field(False, description="greedy decoding on the ElevenLabs routes (reproducible)")
     max_voices: int = Field(1000, ge=1, le=1_000_000, description="registered voices the server keeps at most")
+    # what one client may hold: request bodies, read times, streams it stops taking, the shutdown window
+    max_body_bytes: int = Field(1024 * 1024, ge=1024, le=1 << 30, description="largest JSON (non-upload) body")
+    header_timeout: float = Field(10.0, gt=0, le=600.0, description="seconds to send a request's headers")
+    body_timeout: float = Field(60.0, gt=0, le=3600.0, description="seconds for a request's body to arrive")
+    stall_timeout: float = Field(30.0, gt=0, le=3600.0, description="seconds a stream waits for its client "
+                                                                  "to take audio before it ends")
+    shutdown_delay: float = Field(0.0, ge=0.0, le=600.0, description="seconds after SIGTERM with /ready 503 and "
+                                                                   "the listener open (the preStop window)")
 
     @field_validator("api_keys", "cors_origins", mode="before")
     @classmethod

@@ -8,7 +8,8 @@ an asyncio queue fed with ``call_soon_threadsafe`` so an asyncio server never bl
 
 Admission: a stream takes a KV slot at its first turn and keeps it until closed. When every slot is
 taken, ``begin_turn`` waits up to ``queue_timeout`` seconds for one, then raises :class:`CapacityError`
-(the service answers 429). Cancel and close take effect at the next step boundary. A consumer that
+(the service answers 429); ``abegin_turn`` is the same wait for asyncio callers, holding no thread, in the
+same first-come-first-served queue. Cancel and close take effect at the next step boundary. A consumer that
 stops reading holds its stream (generation pauses) instead of buffering audio without bound.
 """
 
@@ -112,7 +113,19 @@ class StreamHandle:
         """Open a turn (``StreamingSession.begin_turn`` semantics). The first turn waits up to ``wait``
         seconds (default: the scheduler's queue timeout) for a free slot, else CapacityError."""
         self._require_open()
-        newly = self._scheduler._reserve(self, wait)
+        self._open_turn(self._scheduler._reserve(self, wait), user_text, user_audio_codes, user_audio_wav,
+                        max_frames, params)
+
+    async def abegin_turn(self, user_text: str = "", user_audio_codes=None, user_audio_wav=None,
+                          max_frames: int | None = None, params: SamplingParams | None = None,
+                          wait: float | None = None) -> None:
+        """``begin_turn`` for asyncio callers: waiting for a slot awaits (it holds no thread), in the same
+        first-come-first-served queue as the blocking callers; cancelling the wait leaves the queue."""
+        self._require_open()
+        self._open_turn(await self._scheduler._areserve(self, wait), user_text, user_audio_codes, user_audio_wav,
+                        max_frames, params)
+
+    def _open_turn(self, newly: bool, user_text, user_audio_codes, user_audio_wav, max_frames, params) -> None:
         try:
             self.stream.begin_turn(user_text, user_audio_codes, user_audio_wav, max_frames, params)
         except BaseException:
@@ -217,6 +230,20 @@ class StreamHandle:
 
 
 # ---------------------------------------------------------------------------------------------- scheduler
+class _AsyncTicket:
+    """A place in the admission queue held by a coroutine: woken from any thread."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self.event = asyncio.Event()
+
+    def wake(self) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.event.set)
+        except RuntimeError:          # its loop closed: the waiter is gone
+            pass
+
+
 @dataclass(frozen=True)
 class SchedulerStats:
     capacity: int          # KV slots
@@ -327,37 +354,89 @@ class Scheduler:
         self._accepting = False
         with self._cond:
             self._stop = True
-            self._cond.notify_all()
+            self._notify()
         self._thread.join(timeout=30)
 
     # ------------------------------------------------------------------ admission (caller threads)
     def _reserve(self, handle: StreamHandle, wait: float | None) -> bool:
         """Promise ``handle`` a slot (once); False if it already has one."""
         with self._cond:
-            if handle._reserved:
-                return False
-            if not self._accepting:
-                raise OverloadError("the server is draining: no new streams")
-            if self.broken:
-                raise EngineBrokenError(f"the engine is broken: {self.broken}")
-            deadline = time.monotonic() + (self.queue_timeout if wait is None else wait)
             ticket = object()
-            self._waiting.append(ticket)              # first come, first served
+            deadline = self._join_queue(handle, ticket, wait)
+            if deadline is None:
+                return False
             try:
-                while self._reserved >= self.runner.slots or self._waiting[0] is not ticket:
+                while not self._admissible(ticket):
                     left = deadline - time.monotonic()
                     if left <= 0 or self._stop:
-                        raise CapacityError(f"all {self.runner.slots} stream slots are busy; retry later")
+                        raise self._no_capacity()
                     self._cond.wait(timeout=left)
             finally:
                 self._waiting.remove(ticket)
-                self._cond.notify_all()              # the next in line may be admitted now
-            self._reserved += 1
-            handle._reserved = True
-            self._to_attach.append(handle)
-            self._dirty = True
-            self._cond.notify_all()
+                self._notify()                       # the next in line may be admitted now
+            self._admit(handle)
             return True
+
+    async def _areserve(self, handle: StreamHandle, wait: float | None) -> bool:
+        """``_reserve`` on an event loop: the ticket waits on an asyncio event, set by every change that may
+        admit it, so no thread is held however long the queue (the timeout is the time to the refusal)."""
+        ticket = _AsyncTicket(asyncio.get_running_loop())
+        with self._cond:
+            deadline = self._join_queue(handle, ticket, wait)
+        if deadline is None:
+            return False
+        try:
+            while True:
+                with self._cond:
+                    if self._admissible(ticket):
+                        self._admit(handle)
+                        return True
+                    if self._stop:
+                        raise self._no_capacity()
+                    ticket.event.clear()             # set again by the next _notify
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise self._no_capacity()
+                try:
+                    await asyncio.wait_for(ticket.event.wait(), left)
+                except asyncio.TimeoutError:
+                    pass
+        finally:
+            with self._cond:
+                self._waiting.remove(ticket)
+                self._notify()
+
+    def _join_queue(self, handle: StreamHandle, ticket: object, wait: float | None) -> float | None:
+        """(Holding ``_cond``.) ``ticket`` joins the queue, first come first served: its deadline, or None
+        when ``handle`` already holds a slot."""
+        if handle._reserved:
+            return None
+        if not self._accepting:
+            raise OverloadError("the server is draining: no new streams")
+        if self.broken:
+            raise EngineBrokenError(f"the engine is broken: {self.broken}")
+        self._waiting.append(ticket)
+        return time.monotonic() + (self.queue_timeout if wait is None else wait)
+
+    def _admissible(self, ticket: object) -> bool:
+        return self._reserved < self.runner.slots and self._waiting[0] is ticket
+
+    def _admit(self, handle: StreamHandle) -> None:
+        self._reserved += 1
+        handle._reserved = True
+        self._to_attach.append(handle)
+        self._dirty = True
+        self._notify()
+
+    def _no_capacity(self) -> CapacityError:
+        return CapacityError(f"all {self.runner.slots} stream slots are busy; retry later")
+
+    def _notify(self) -> None:
+        """Wake every waiter, blocking and asyncio (call holding ``_cond``)."""
+        self._cond.notify_all()
+        for ticket in self._waiting:
+            if isinstance(ticket, _AsyncTicket):
+                ticket.wake()
 
     def _unreserve(self, handle: StreamHandle) -> None:
         with self._cond:
@@ -365,7 +444,7 @@ class Scheduler:
                 self._to_attach.remove(handle)
                 self._reserved -= 1
                 handle._reserved = False
-                self._cond.notify_all()
+                self._notify()
 
     def _release(self, handle: StreamHandle) -> None:
         """Free the handle's slot for admission now: the loop detaches it before it attaches anyone else,
@@ -380,7 +459,7 @@ class Scheduler:
             self._reserved -= 1
             handle._reserved = False
             self._dirty = True
-            self._cond.notify_all()
+            self._notify()
 
     def _wake(self) -> None:
         with self._cond:
@@ -448,7 +527,7 @@ class Scheduler:
             h.attached = False
             if self._detach_failures.pop(id(h), 0):
                 self._reserved -= 1
-                self._cond.notify_all()
+                self._notify()                          # asyncio waiters too
 
     def _attach(self, h: StreamHandle) -> None:
         """Give a handle its runner slot; when that fails only its stream fails (its slot is free again)."""
@@ -460,7 +539,7 @@ class Scheduler:
                 if h._reserved:
                     self._reserved -= 1
                     h._reserved = False
-                    self._cond.notify_all()
+                    self._notify()
             self._fail_handle(h, EngineError(f"the stream could not start: {exc}"))
             return
         with self._cond:

@@ -12,6 +12,8 @@ import sys
 import traceback
 
 from . import commands as c
+from engine.sampling import MAX_TOP_K
+
 from .argtypes import any_int, finite_float, int_in
 
 EX_SOFTWARE = 70
@@ -43,7 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
     def sampling_flags(sp):
         sp.add_argument("--greedy", action="store_true", help="argmax decoding (the repetition penalty still applies)")
         sp.add_argument("--temperature", type=finite_float, help="default from the bundle (0.8); 0 = greedy")
-        sp.add_argument("--top-k", type=any_int, help="keep the k most likely codes (default 30; 0 = off)")
+        sp.add_argument("--top-k", type=int_in(0, MAX_TOP_K), help="keep the k most likely codes (default 30; 0 = off; "
+                                                                   "never negative)")
         sp.add_argument("--top-p", type=finite_float, help="nucleus probability in (0, 1] (default 0.6; 1 = off)")
         sp.add_argument("--repetition-penalty", type=finite_float, help="default 1.1; 1 = off")
         sp.add_argument("--repetition-window", type=any_int, help="frames the penalty looks back (default 50)")

@@ -19,12 +19,13 @@ from fastapi import APIRouter, WebSocket, WebSocketDisconnect
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, ValidationError
 from starlette.concurrency import run_in_threadpool
 
-from engine.errors import EngineError
+from engine.errors import EngineError, InputError
 from engine.scheduler import AsyncSink, FrameEvent, StreamError, StreamHandle, TurnEnd
+from engine.tokenizer import check_unicode
 from engine.voices import resolve_voice
 
 from ..audio_formats import MAX_OUT_RATE, MIN_OUT_RATE, StreamEncoder
-from ..auth import websocket_key
+from ..auth import websocket_key, websocket_origin_allowed
 from ..errors import ApiError, from_engine
 from ..metrics import FRAME_SECONDS, StreamMeter
 from ..schemas import SamplingExtras, VoiceRef, WholeInt
@@ -36,6 +37,7 @@ router = APIRouter()
 PATH = "/v1/audio/speech/stream"
 
 CLOSE_UNAUTHORIZED = 4001
+CLOSE_FORBIDDEN_ORIGIN = 4003  # refused before accept: the client sees HTTP 403
 CLOSE_POLICY = 4008       # idle timeout, too many turns
 CLOSE_UNAVAILABLE = 4503  # loading, draining
 CLOSE_INTERNAL = 4500
@@ -86,6 +88,10 @@ class Bare(BaseModel):
     event_id: StrictStr | None = None
 
 
+class ClientStalled(Exception):
+    """The client did not take a frame of audio within the stall timeout."""
+
+
 class ProtocolError(Exception):
     def __init__(self, code: str, message: str, fatal: bool = False, close: int = CLOSE_POLICY):
         super().__init__(message)
@@ -95,6 +101,9 @@ class ProtocolError(Exception):
 @router.websocket(PATH)
 async def speech_stream(ws: WebSocket):
     service: TTSService = ws.app.state.service
+    if not websocket_origin_allowed(ws, service.settings.cors_origins):
+        await ws.close(code=CLOSE_FORBIDDEN_ORIGIN)       # before accept: the upgrade is refused with HTTP 403
+        return
     authorized, subprotocol = websocket_key(ws, service.settings.api_keys)
     await ws.accept(subprotocol=subprotocol)
     session = WsSession(ws, service, ws.app.state.metrics)
@@ -137,12 +146,18 @@ class WsSession:
 
     # ------------------------------------------------------------------ sending
     async def send_json(self, payload: dict) -> None:
-        async with self._send_lock:
-            await self.ws.send_text(json.dumps(payload, separators=(",", ":")))
+        await self._send(self.ws.send_text(json.dumps(payload, separators=(",", ":"))))
 
     async def send_bytes(self, data: bytes) -> None:
+        await self._send(self.ws.send_bytes(data))
+
+    async def _send(self, sending) -> None:
+        """One message to the client; one it does not take within the stall timeout ends the session."""
         async with self._send_lock:
-            await self.ws.send_bytes(data)
+            try:
+                await asyncio.wait_for(sending, self.settings.stall_timeout)
+            except asyncio.TimeoutError:
+                raise ClientStalled from None
 
     async def error(self, code: str, message: str, fatal: bool = False, event_id: str | None = None,
                     type_: str = "invalid_request_error") -> None:
@@ -159,7 +174,7 @@ class WsSession:
         try:
             await self.error(e.code, e.message, fatal=True)
             await self.ws.close(code=e.close, reason=e.message[:120])
-        except (WebSocketDisconnect, RuntimeError):
+        except (WebSocketDisconnect, RuntimeError, ClientStalled):
             pass
 
     # ------------------------------------------------------------------ main loop
@@ -194,6 +209,8 @@ class WsSession:
             await self.fail(e)
         except WebSocketDisconnect:
             pass
+        except ClientStalled:
+            await self._end_stalled()
         except Exception as e:  # noqa: BLE001 - one session's bug never takes the server down
             log.exception("websocket session failed")
             await self.fail(ProtocolError("internal_error", f"internal error: {type(e).__name__}", True,
@@ -216,8 +233,8 @@ class WsSession:
             return
         try:
             data = json.loads(text)
-        except json.JSONDecodeError as e:
-            await self.error("invalid_json", f"not valid JSON: {e}")
+        except (ValueError, RecursionError) as e:     # also a 5,000-digit integer, nesting past the parser's depth
+            await self.error("invalid_json", f"not valid JSON: {str(e)[:200]}")
             return
         if not isinstance(data, dict) or not isinstance(data.get("type"), str):
             await self.error("invalid_message", "every message is a JSON object with a string \"type\"")
@@ -289,10 +306,13 @@ class WsSession:
                 raw = base64.b64decode(msg.audio, validate=True)
             except (binascii.Error, ValueError):
                 raise ApiError(400, "audio must be base64 of an audio file", param="audio", code="invalid_audio") from None
-            wav, rate = await run_in_threadpool(decode_upload, raw, self.service.limits, "user audio", True)
-            self.user_audio = await run_in_threadpool(
-                lambda: resolve_voice(self.service.model, self.service.limits, wav=(wav, rate), what="user audio",
-                                      user_audio=True))
+            try:
+                wav, rate = await run_in_threadpool(decode_upload, raw, self.service.limits, "user audio", True)
+                self.user_audio = await run_in_threadpool(
+                    lambda: resolve_voice(self.service.model, self.service.limits, wav=(wav, rate), what="user audio",
+                                          user_audio=True))
+            except InputError as e:                      # the code HTTP uploads answer for the same audio
+                raise ApiError(400, str(e), param="audio", code="invalid_audio") from None
         await self.send_json({"type": "input.user.accepted", "text_chars": len(self.user_text),
                               "audio_frames": 0 if self.user_audio is None else len(self.user_audio)})
 
@@ -305,6 +325,10 @@ class WsSession:
 
     async def on_text(self, data: dict) -> None:
         msg = TextInput.model_validate(data)
+        try:
+            check_unicode(msg.text)                      # refused before it can open (and count) a turn
+        except InputError as e:
+            raise ApiError(400, str(e), param="text", code="invalid_value") from None
         self._refuse_text_of_refused_turn()
         await self._open_turn()
         self._check_buffer(len(msg.text))
@@ -400,8 +424,7 @@ class WsSession:
             self._sender = asyncio.create_task(self._send_events())
         started = time.monotonic()
         try:
-            await run_in_threadpool(self.handle.begin_turn, self.user_text, self.user_audio, None, self.max_frames,
-                                    params)
+            await self.handle.abegin_turn(self.user_text, self.user_audio, None, self.max_frames, params)
         except Exception:
             self.turn_refused = True      # the rest of this turn's text is refused at once, not retried
             raise
@@ -456,5 +479,22 @@ class WsSession:
                     self.last_response = self.response_id
                     self._quiet_since = time.monotonic()      # the idle timeout counts from the turn's end
                     self.turn_closed.set()
+        except ClientStalled:
+            await self._end_stalled()
         except (WebSocketDisconnect, RuntimeError, asyncio.CancelledError):
+            pass
+
+    async def _end_stalled(self) -> None:
+        """The client stopped taking audio: its slot is freed now, then the socket is closed (bounded: a
+        client that reads nothing cannot take the close frame either; the server aborts after its close
+        timeout)."""
+        self.metrics.stalled.labels("ws").inc()
+        log.warning("websocket session %s ended: the client took no audio for %g s", self.session_id,
+                    self.settings.stall_timeout)
+        if self.handle is not None:
+            self.handle.close()
+        self.turn_closed.set()
+        try:
+            await asyncio.wait_for(self.ws.close(code=CLOSE_POLICY, reason="client stalled"), 5)
+        except (asyncio.TimeoutError, WebSocketDisconnect, RuntimeError):
             pass

@@ -191,6 +191,11 @@ def check_manifests(c: Checker, docs: list[dict], v: dict, chart: dict) -> list[
     c.ok(isinstance(tgp, int) and tgp >= 60, f"terminationGracePeriodSeconds {tgp} too short for streams to drain")
     pre = (main.get("lifecycle") or {}).get("preStop") or {}
     c.ok(pre.get("exec", {}).get("command") or pre.get("sleep"), "preStop hook missing on the server container")
+    drain, delay = v["server"]["drainTimeout"], v["server"]["shutdownDelay"]
+    c.eq(env_value(main, "MOSSRT_DRAIN_TIMEOUT"), str(drain), "env MOSSRT_DRAIN_TIMEOUT")
+    c.eq(env_value(main, "MOSSRT_SHUTDOWN_DELAY"), str(delay), "env MOSSRT_SHUTDOWN_DELAY")
+    c.ok(isinstance(tgp, int) and tgp >= v["preStopSleepSeconds"] + max(drain, delay) + 3,
+         f"terminationGracePeriodSeconds {tgp} shorter than preStop + max(drain timeout, shutdown delay) + 3 s flush")
 
     # security
     psc = pod.get("securityContext") or {}

@@ -144,6 +144,10 @@ Validation of mutually exclusive or mandatory values; included from the Deployme
 {{- if and .Values.export.enabled (not (hasPrefix (trimSuffix "/" .Values.dataPath | printf "%s/") (printf "%s/" .Values.bundlePath))) }}
 {{- fail "with export.enabled, bundlePath must lie under dataPath (the export writes to the data volume)" }}
 {{- end }}
+{{- $drain := addf (float64 .Values.preStopSleepSeconds) (maxf (float64 .Values.server.drainTimeout) (float64 .Values.server.shutdownDelay)) 3 }}
+{{- if lt (float64 .Values.terminationGracePeriodSeconds) $drain }}
+{{- fail (printf "terminationGracePeriodSeconds (%v) is shorter than preStopSleepSeconds + max(server.drainTimeout, server.shutdownDelay) + 3 s of flush (%v): the pod would be killed while draining" .Values.terminationGracePeriodSeconds $drain) }}
+{{- end }}
 {{- if not (hasPrefix (trimSuffix "/" .Values.dataPath | printf "%s/") (printf "%s/" .Values.voicesPath)) }}
 {{- fail "voicesPath must lie under dataPath (the voices persist on the data volume)" }}
 {{- end }}

@@ -1,0 +1,85 @@
+"""``StreamHandle.abegin_turn``: waiting for a stream slot on an event loop holds no thread, shares the
+first-come-first-served queue with the blocking callers, times out at the queue timeout, and a cancelled
+wait leaves the queue."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+
+
+def test_async_waiters_hold_no_thread_and_keep_the_order(model):
+    from engine.errors import CapacityError
+    from engine.scheduler import Scheduler
+
+    scheduler = Scheduler(model, slots=1, queue_timeout=0.3)
+    try:
+        holder = scheduler.open_stream()
+        holder.begin_turn(wait=0)
+
+        async def run():
+            threads_before = threading.active_count()
+            order: list[str] = []
+            handles = {name: scheduler.open_stream() for name in ("a", "b", "c", "d")}
+
+            async def wait(name: str, timeout: float | None = 30):
+                await handles[name].abegin_turn(wait=timeout)
+                order.append(name)
+
+            # 50 waiters that time out: no thread each, and each refusal comes at its queue timeout
+            t0 = time.monotonic()
+            refusals = await asyncio.gather(*[scheduler.open_stream().abegin_turn() for _ in range(50)],
+                                            return_exceptions=True)
+            assert all(isinstance(r, CapacityError) for r in refusals), refusals
+            assert 0.3 <= time.monotonic() - t0 < 3
+            assert threading.active_count() <= threads_before
+            # a blocking caller queued between async ones keeps its place
+            tasks = [asyncio.create_task(wait("a"))]
+            await asyncio.sleep(0.1)
+            blocking = threading.Thread(target=lambda: (handles["b"].begin_turn(wait=30), order.append("b")))
+            blocking.start()
+            await asyncio.sleep(0.1)
+            cancelled = asyncio.create_task(wait("c"))
+            tasks.append(asyncio.create_task(wait("d")))
+            await asyncio.sleep(0.1)
+            assert scheduler.stats().queued == 4
+            cancelled.cancel()                       # a client that went away leaves the queue
+            await asyncio.sleep(0.1)
+            assert scheduler.stats().queued == 3
+            current = holder
+            for name in ("a", "b", "d"):
+                current.close()
+                deadline = time.monotonic() + 10
+                while name not in order and time.monotonic() < deadline:
+                    await asyncio.sleep(0.01)
+                current = handles[name]
+            current.close()
+            await asyncio.gather(*tasks)
+            await asyncio.to_thread(blocking.join, 10)
+            return order
+
+        assert asyncio.run(asyncio.wait_for(run(), 60)) == ["a", "b", "d"]
+        assert scheduler.stats().active == 0 and scheduler.stats().queued == 0
+    finally:
+        scheduler.stop()
+
+
+def test_async_wait_ends_when_the_scheduler_stops(model):
+    from engine.errors import CapacityError
+    from engine.scheduler import Scheduler
+
+    scheduler = Scheduler(model, slots=1, queue_timeout=60)
+    holder = scheduler.open_stream()
+    holder.begin_turn(wait=0)
+
+    async def run():
+        waiter = asyncio.create_task(scheduler.open_stream().abegin_turn())
+        await asyncio.sleep(0.2)
+        await asyncio.to_thread(scheduler.stop)
+        with pytest.raises(CapacityError):
+            await asyncio.wait_for(waiter, 10)
+
+    asyncio.run(run())
