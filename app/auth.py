@@ -26,8 +26,9 @@ def _bearer(header: str | None) -> str | None:
 def http_key_error(headers, keys: list[str]) -> ApiError | None:
     """The 401 for an HTTP request without a valid key (None when keys are off or it has one). The request
     guard calls it before the body is read."""
-    if keys and not _known(keys, _bearer(headers.get("authorization"))):
-        return ApiError(401, "missing or invalid API key: send 'Authorization: Bearer <key>'",
+    # ElevenLabs' clients (the compatible routes) send their key as ``xi-api-key``
+    if keys and not (_known(keys, _bearer(headers.get("authorization"))) or _known(keys, headers.get("xi-api-key"))):
+        return ApiError(401, "missing or invalid API key: send 'Authorization: Bearer <key>' (or 'xi-api-key: <key>')",
                         "invalid_request_error", None, "invalid_api_key", {"WWW-Authenticate": "Bearer"})
     return None
 

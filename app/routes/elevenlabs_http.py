@@ -22,7 +22,7 @@ from engine.generate import utterance_ids
 from engine.scheduler import AsyncSink, FrameEvent, StreamError, StreamHandle, TurnEnd
 
 from ..audio_formats import StreamEncoder
-from ..auth import _bearer, _known
+from ..auth import http_key_error
 from ..elevenlabs.alignment import FRAME_MS, Aligner
 from ..elevenlabs.formats import parse_output_format
 from ..errors import ApiError, from_engine
@@ -49,10 +49,9 @@ def _error(status: int, code: str, message: str, headers: dict | None = None) ->
 
 
 def _check_key(request: Request) -> None:
-    keys = request.app.state.service.settings.api_keys
-    if keys and not (_known(keys, request.headers.get("xi-api-key"))
-                     or _known(keys, _bearer(request.headers.get("authorization")))):
-        raise ApiError(401, "missing or invalid API key: send the xi-api-key header", code="invalid_api_key")
+    err = http_key_error(request.headers, request.app.state.service.settings.api_keys)
+    if err is not None:
+        raise err
 
 
 @router.post(TTS_PATH, response_class=Response, include_in_schema=False)
