@@ -220,7 +220,7 @@ class TTSService:
         system = self.model.prompt.system_block(codes)
         key = prefix_key(system)
         if key not in cache:
-            kv = self.voices.load_prefix(rec)
+            kv = self.voices.load_prefix(rec, self.model.kv_dtype)
             c = self.model.config
             # a persisted entry holds the system block's rows, and the assistant header's after it; one of
             # another dtype (or shape) is not used: the first stream with the voice recomputes it

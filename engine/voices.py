@@ -181,11 +181,17 @@ class VoiceRegistry:
         except OSError:
             tmp.unlink(missing_ok=True)   # a cache: failing to persist it only costs a recomputation
 
-    def load_prefix(self, rec: VoiceRecord) -> np.ndarray | None:
+    def load_prefix(self, rec: VoiceRecord, dtype: np.dtype) -> np.ndarray | None:
+        """The persisted prefix KV if it is of ``dtype`` (the bundle's compute dtype), else None (recompute).
+        numpy saves bfloat16 as raw 2-byte voids: those are read back as ``dtype`` when the sizes agree."""
         try:
-            return np.load(self._prefix_path(rec), allow_pickle=False)
+            kv = np.load(self._prefix_path(rec), allow_pickle=False)
         except (OSError, ValueError):
             return None
+        dtype = np.dtype(dtype)
+        if kv.dtype.kind == "V" and kv.dtype.itemsize == dtype.itemsize and dtype.kind == "V":
+            kv = kv.view(dtype)
+        return kv if kv.dtype == dtype else None
 
     def delete(self, key: str) -> VoiceRecord | None:
         rec = self.find(key)

@@ -234,9 +234,10 @@ class Layer:
     def input_norm(self, gb: GraphBuilder, x: str, delta: str | None) -> tuple[str, str]:
         """(input RMSNorm of the residual stream, the stream): the stream is ``x + delta`` (the previous
         layer's MLP output, added inside the norm) or ``x`` alone."""
-        if delta is None:
-            return gb.rms_norm_named(x, self.ln1, self.spec.rms_eps), x
-        return gb.skip_rms_norm(x, delta, self.ln1, self.spec.rms_eps)
+        with gb.scope(f"{self.name}.input_layernorm"):
+            if delta is None:
+                return gb.rms_norm_named(x, self.ln1, self.spec.rms_eps), x
+            return gb.skip_rms_norm(x, delta, self.ln1, self.spec.rms_eps)
 
     def heads(self, gb: GraphBuilder, h: str) -> tuple[str, str, str]:
         """Normed input [B, T, hidden] → time-major q [B, T, H, D], k and v [B, T, KV, D]: the packed
@@ -282,7 +283,8 @@ class Layer:
         RMSNorm: (normed, stream)."""
         with gb.scope(f"{self.name}.self_attn"):
             delta = gb.matmul(att, self.o)
-        return gb.skip_rms_norm(x, delta, self.ln2, self.spec.rms_eps)
+        with gb.scope(f"{self.name}.post_attention_layernorm"):
+            return gb.skip_rms_norm(x, delta, self.ln2, self.spec.rms_eps)
 
     def mlp(self, gb: GraphBuilder, h: str) -> str:
         """SwiGLU ``down(silu(gate h) * up h)`` with gate and up as one packed matmul."""

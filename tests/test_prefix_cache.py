@@ -204,3 +204,21 @@ def test_kv_pool_rows_in_every_compute_dtype(dtype):
     assert back.dtype == dt and pool.lengths[2] == 5
     np.testing.assert_array_equal(back.view(np.uint8), rows.view(np.uint8))
     assert pool.nbytes_per_slot == BackboneKVPool.bytes_per_slot(2, 2, 8, 16, dt) == 2 * 2 * 2 * 17 * 8 * dt.itemsize
+
+
+def test_persisted_voice_prefix_follows_the_compute_dtype(tmp_path):
+    """A voice's persisted prefix KV is read back only in the bundle's compute dtype (bfloat16 too, which
+    numpy saves as raw voids); one of another dtype reads as None, so the voice's prefix is recomputed."""
+    from engine.device import KV_DTYPES
+    from engine.voices import VoiceRegistry
+
+    registry = VoiceRegistry(tmp_path, "bundle-x")
+    rec = registry.add("narrator", np.zeros((3, 16), np.int64))
+    kv = np.random.default_rng(0).standard_normal((2, 2, 2, 5, 8))
+    for dtype in ("fp32", "fp16", "bf16"):
+        registry.save_prefix(rec, kv.astype(KV_DTYPES[dtype]))
+        back = registry.load_prefix(rec, KV_DTYPES[dtype])
+        assert back.dtype == KV_DTYPES[dtype]
+        np.testing.assert_array_equal(back.view(np.uint8), kv.astype(KV_DTYPES[dtype]).view(np.uint8))
+        other = "fp16" if dtype != "fp16" else "fp32"
+        assert registry.load_prefix(rec, KV_DTYPES[other]) is None

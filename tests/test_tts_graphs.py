@@ -683,3 +683,23 @@ def test_fp16_depth_keeps_a_float32_sampler(tts_bundle_dir, tts_bundle_for):
           f"per codebook {' '.join(f'{a / frames:.0%}' for a in agree)} (all {agree.sum() / agree.size / frames:.2%})")
     assert np.median(rel) < 3e-3 and np.max(rel) < 2e-2
     assert agree.sum() / (16 * frames) >= 0.95 and agree[0] / frames >= 0.97
+
+
+def test_backbone_is_fused_and_host_driven(tts_bundle_dir):
+    """The backbone is written with onnxruntime's fused ops and takes its lengths from the host: no unfused
+    RMSNorm, one packed q/k/v and one packed gate/up matmul per layer, and no device-side reduction that
+    would feed GroupQueryAttention's host-side total_sequence_length; every node is named by module path."""
+    import onnx
+
+    model = onnx.load(str(tts_bundle_dir / "backbone.onnx"), load_external_data=False)
+    ops = [n.op_type for n in model.graph.node]
+    layers = json.loads((tts_bundle_dir / "manifest.json").read_text())["tts"]["config"]["layers"]
+    assert not {"ReduceMean", "Sqrt", "Reciprocal", "ReduceMax", "Cos", "Sin"} & set(ops)
+    assert ops.count("GroupQueryAttention") == layers and ops.count("RotaryEmbedding") == 2 * layers
+    assert ops.count("SimplifiedLayerNormalization") + ops.count("SkipSimplifiedLayerNormalization") == 4 * layers + 1
+    assert ops.count("MatMul") == 4 * layers and ops.count("Gather") == 1
+    assert len(ops) <= 20 * layers + 5, len(ops)
+    gqa = [n for n in model.graph.node if n.op_type == "GroupQueryAttention"]
+    assert all(n.input[5] == "seqlens_k" and n.input[6] == "total_sequence_length" for n in gqa)
+    unscoped = [n.name for n in model.graph.node if "/" not in n.name and n.op_type != "Identity"]
+    assert not unscoped, unscoped
