@@ -380,7 +380,8 @@ class SamplerRows:
     penalty: str       # repetition penalty
     temperature: str   # <= 0 counts as 1 (greedy rows)
     kth: str           # int64 index of the k-th largest logit in an ascending sort: V - k (0 keeps all)
-    cut: str           # top-p: drop where the ascending cumulative probability <= cut (-1: top-p off)
+    cut: str           # [B, 1, V] top-p: drop where the ascending cumulative probability <= cut (-1: top-p
+                       # off; -1 at the last, largest entry too: the max is always kept)
 
 
 def sampler_rows(gb: GraphBuilder, penalty: str, temperature: str, top_k: str, top_p: str, vocab: int,
@@ -397,7 +398,8 @@ def sampler_rows(gb: GraphBuilder, penalty: str, temperature: str, top_k: str, t
         temp = gb.op("Where", [gb.op("Greater", [temperature, gb.const(0.0)]), temperature, gb.const(1.0)])
         cut = gb.op("Where", [gb.op("Less", [top_p, gb.const(1.0)]), gb.op("Sub", [gb.const(1.0), top_p]),
                               gb.const(-1.0)])
-        return SamplerRows(penalty=row(penalty), temperature=row(temp), kth=kth, cut=row(cut))
+        cut = gb.op("Where", [gb.const(np.arange(V) < V - 1, np.bool_), row(cut), gb.const(-1.0)])
+        return SamplerRows(penalty=row(penalty), temperature=row(temp), kth=kth, cut=cut)
 
 
 def history_marks(gb: GraphBuilder, history: str, vocab: int) -> str:
@@ -444,8 +446,7 @@ def filter_logits(gb: GraphBuilder, logits: str, seen: str, rows: SamplerRows, v
         # HF TopPLogitsWarper: the -inf entries sort first and add exact zeros to the cumulative sum
         cum = gb.cast(gb.op("CumSum", [gb.cast(gb.op("Softmax", [asc], axis=-1), DOUBLE), gb.const(-1, np.int64)]),
                       FLOAT)
-        not_max = gb.const(np.arange(vocab) < vocab - 1, np.bool_)                          # always keep the max
-        drop = gb.op("And", [gb.op("LessOrEqual", [cum, rows.cut]), not_max])
+        drop = gb.op("LessOrEqual", [cum, rows.cut])
         # back to id order: ``order`` is a permutation, so every entry of ``scaled`` is overwritten
         filtered = gb.op("ScatterElements", [scaled, order, gb.op("Where", [drop, neg_inf, asc])], axis=-1)
         probs = gb.op("Softmax", [filtered], axis=-1)
