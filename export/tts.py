@@ -499,12 +499,12 @@ class DepthLayer(Layer):
 
     def __init__(self, gb: GraphBuilder, ckpt: Checkpoint, spec: StackSpec, index: int):
         super().__init__(gb, ckpt, spec, index)
-        get = lambda n: ckpt.get(f"{self.name}.self_attn.{n}.weight")
         ones = np.ones(spec.head_dim, np.float32)
-        heads = [get("q_norm")] * spec.heads + [get("k_norm")] * spec.kv_heads + [ones] * spec.kv_heads
-        # a norm table: in the compute dtype as the norm vectors are (gb.weight would store it as a weight)
-        self.qk_norm = gb.tensor(f"{self.name}.self_attn.qk_norm.weight", np.stack(heads).astype(gb.compute_dtype))
         self.unit = gb.weight(f"{self.name}.self_attn.qk_norm.unit", ones)
+        with gb.scope(f"{self.name}.self_attn.qk_norm"):   # [H + 2KV, D]: q_norm per q head, k_norm per k head, 1 for v
+            self.qk_norm = gb.concat([gb.op("Expand", [self.q_norm, gb.const([spec.heads, 1], np.int64)]),
+                                      gb.op("Expand", [self.k_norm, gb.const([spec.kv_heads, 1], np.int64)]),
+                                      gb.const(np.ones((spec.kv_heads, spec.head_dim)))], 0)
 
     def attend(self, gb: GraphBuilder, h: str, past: tuple[str, str] | None, seqlens: str, total: int,
                rope: str, values: str) -> tuple[str, tuple[str, str]]:
