@@ -337,14 +337,10 @@ class GraphBuilder:
             epsilon=eps,
         )
 
-    def rms_norm(self, x: str, weight: np.ndarray, name: str, eps: float) -> str:
-        """``w * x / sqrt(mean(x^2) + eps)`` over the last axis (Qwen3 RMSNorm)."""
-        return self.rms_norm_named(x, self.weight(name + ".weight", weight), eps)
-
     def rms_norm_named(self, x: str, weight: str, eps: float) -> str:
-        """:meth:`rms_norm` with an already-added weight (shared by several nodes): one
-        ``SimplifiedLayerNormalization`` node (onnxruntime's RMSNorm, CPU and CUDA kernels for float32,
-        float16 and bfloat16; the mean of squares accumulates in float32)."""
+        """Qwen3 RMSNorm ``w * x / sqrt(mean(x^2) + eps)`` over the last axis with an already-added weight
+        (shared by several nodes): one ``SimplifiedLayerNormalization`` node (onnxruntime's RMSNorm, CPU and
+        CUDA kernels for float32, float16 and bfloat16; the mean of squares accumulates in float32)."""
         return self.op("SimplifiedLayerNormalization", [x, weight], axis=-1, epsilon=eps, stash_type=1)
 
     def skip_rms_norm(self, x: str, delta: str, weight: str, eps: float) -> tuple[str, str]:
@@ -353,14 +349,6 @@ class GraphBuilder:
         normed, total = self.op("SkipSimplifiedLayerNormalization", [x, delta, weight], domain="com.microsoft",
                                 outs=[self.fresh("skip_rms_norm"), "", "", self.fresh("residual")], epsilon=eps)[::3]
         return normed, total
-
-    def rope_cos_sin(self, positions: str, inv_freq: np.ndarray) -> tuple[str, str]:
-        """Rotate-half RoPE tables for float32 positions ``[...]``: cos/sin ``[..., D]`` of
-        ``cat(pos * inv_freq, pos * inv_freq)`` (the Hugging Face layout)."""
-        inv = np.asarray(inv_freq, dtype=np.float32)
-        ang = self.op("Mul", [self.unsqueeze(positions, [-1]), self.const(inv)])
-        emb = self.concat([ang, ang], -1)
-        return self.op("Cos", [emb]), self.op("Sin", [emb])
 
     def rope_rotate_half(self, x: str, cos: str, sin: str) -> str:
         """``x * cos + rotate_half(x) * sin`` with ``rotate_half(x) = cat(-x2, x1)`` over the last axis
