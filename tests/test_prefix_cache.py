@@ -222,3 +222,15 @@ def test_persisted_voice_prefix_follows_the_compute_dtype(tmp_path):
         np.testing.assert_array_equal(back.view(np.uint8), kv.astype(KV_DTYPES[dtype]).view(np.uint8))
         other = "fp16" if dtype != "fp16" else "fp32"
         assert registry.load_prefix(rec, KV_DTYPES[other]) is None
+
+
+def test_kv_pool_is_bounded_by_the_rope_tables(model):
+    """The backbone's RoPE tables have max_position_embeddings rows: a pool whose slots hold more rows is
+    refused up front (onnxruntime would fail on the first call past the table)."""
+    from engine.errors import InputError
+
+    positions = model.config.backbone.max_positions
+    assert positions == 40960
+    model.kv_pool(1, 16)
+    with pytest.raises(InputError, match="RoPE positions"):
+        model.kv_pool(1, positions)
