@@ -9,6 +9,7 @@ import logging
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response, StreamingResponse
+from starlette.concurrency import run_in_threadpool
 
 from engine.errors import ContextLimitError, EngineError, InputError, TextTooLongError
 from engine.generate import utterance_ids
