@@ -350,13 +350,6 @@ class GraphBuilder:
                                 outs=[self.fresh("skip_rms_norm"), "", "", self.fresh("residual")], epsilon=eps)[::3]
         return normed, total
 
-    def rope_rotate_half(self, x: str, cos: str, sin: str) -> str:
-        """``x * cos + rotate_half(x) * sin`` with ``rotate_half(x) = cat(-x2, x1)`` over the last axis
-        (halves, not interleaved pairs); cos/sin broadcast against x."""
-        x1, x2 = self.op("Split", [x], n_out=2, axis=-1, num_outputs=2)
-        rot = self.concat([self.op("Neg", [x2]), x1], -1)
-        return self.op("Add", [self.op("Mul", [x, cos]), self.op("Mul", [rot, sin])])
-
     def silu(self, x: str) -> str:
         """``x * sigmoid(x)`` as one ``com.microsoft.QuickGelu`` (alpha 1): the node onnxruntime's own fusion
         makes of Mul(x, Sigmoid(x)) at load (same kernel, same numbers), written out so the graph file says

@@ -248,36 +248,6 @@ class Layer:
             q, k, v = gb.op("Split", [qkv, gb.const([s.heads, s.kv_heads, s.kv_heads], np.int64)], n_out=3, axis=2)
             return gb.rms_norm_named(q, self.q_norm, s.rms_eps), gb.rms_norm_named(k, self.k_norm, s.rms_eps), v
 
-    def project(self, gb: GraphBuilder, x: str, cos: str, sin: str) -> tuple[str, str, str]:
-        """x [B, T, hidden] → time-major q [B, T, H, D], k and v [B, T, KV, D]: input RMSNorm,
-        :meth:`heads`, then rotate-half RoPE (cos/sin broadcast as [., T, 1, D])."""
-        q, k, v = self.heads(gb, self.input_norm(gb, x, None)[0])
-        with gb.scope(f"{self.name}.self_attn"):
-            return gb.rope_rotate_half(q, cos, sin), gb.rope_rotate_half(k, cos, sin), v
-
-    def qkv(self, gb: GraphBuilder, x: str, cos: str, sin: str) -> tuple[str, str, str]:
-        """:meth:`project` in head-major layout: q [B, H, T, D], k and v [B, KV, T, D]."""
-        q, k, v = self.project(gb, x, cos, sin)
-        return tuple(gb.transpose(t, [0, 2, 1, 3]) for t in (q, k, v))
-
-    def finish(self, gb: GraphBuilder, x: str, q: str, keys: str, values: str, bias: str | None) -> str:
-        """GQA attention of q [B, H, T, D] over keys/values [B, KV, S, D] (+ bias [B, 1, G*T, S]), o_proj
-        and residual, then the SwiGLU MLP block with its residual.
-
-        Query head ``h`` uses kv head ``h // G``: q is viewed as [B, KV, G*T, D] (row ``g*T + t``), so
-        no K/V copy per query head is made."""
-        s = self.spec
-        with gb.scope(f"{self.name}.self_attn"):
-            qf = gb.reshape(q, [0, s.kv_heads, -1, s.head_dim])                               # [B, KV, G*T, D]
-            scores = gb.op("Mul", [gb.op("MatMul", [qf, gb.transpose(keys, [0, 1, 3, 2])]),
-                                   gb.const(1.0 / math.sqrt(s.head_dim))])                 # [B, KV, G*T, S]
-            if bias is not None:
-                scores = gb.op("Add", [scores, bias])
-            att = gb.op("MatMul", [gb.op("Softmax", [scores], axis=-1), values])            # [B, KV, G*T, D]
-            att = gb.transpose(gb.reshape(att, [0, s.heads, -1, s.head_dim]), [0, 2, 1, 3])  # [B, T, H, D]
-            att = gb.reshape(att, [0, 0, s.heads * s.head_dim])
-        return self.output(gb, x, att)
-
     def post_attention(self, gb: GraphBuilder, x: str, att: str) -> tuple[str, str]:
         """o_proj of the attention output [B, T, H*D], added to the stream inside the post-attention
         RMSNorm: (normed, stream)."""
@@ -293,12 +263,6 @@ class Layer:
             gate, up = gb.op("Split", [gb.matmul(h, self.gate_up_proj), gb.const([s.intermediate, s.intermediate], np.int64)],
                              n_out=2, axis=-1)
             return gb.matmul(gb.op("Mul", [gb.silu(gate), up]), self.down)
-
-    def output(self, gb: GraphBuilder, x: str, att: str) -> str:
-        """o_proj of the attention output [B, T, H*D] plus the residual, then the SwiGLU MLP block."""
-        h, x = self.post_attention(gb, x, att)
-        with gb.scope(f"{self.name}.mlp"):
-            return gb.op("Add", [x, self.mlp(gb, h)])
 
 
 def kv_names(layer: int) -> tuple[str, str, str, str]:
