@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import soundfile as sf
 
-from conftest import TEST_DEVICE, backbone_hidden, golden, tolerance
+from conftest import TEST_DEVICE, backbone_hidden, exact_codes, golden, tolerance
 
 CASES = ["text_only", "voice_clone"]
 TEXTS = {"text_only": "Welcome to the world of MOSS TTS Realtime. Experience how text transforms into smooth, "
@@ -53,6 +53,7 @@ def test_short_text_puts_bos_on_last_token(model):
 
 
 # ---------------------------------------------------------------------------------------------- greedy parity
+@exact_codes
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("penalty,prefix", [(1.0, "greedy"), (1.1, "greedy_rep")])
 def test_greedy_codes_identical(model, case, penalty, prefix):
@@ -117,6 +118,7 @@ def test_synth_greedy_waveform_equals_one_pass_decode(full_bundle_dir, model, tm
     assert np.abs(audio - ref).max() <= tolerance(ref)
 
 
+@exact_codes
 def test_voice_codes_file(full_bundle_dir, tmp_path):
     g = golden("tts/tts_voice_clone.npz")
     np.save(tmp_path / "v.npy", golden("codec/codec_short.npz")["enc_codes"].T)  # [frames, 32]: first 16 used
