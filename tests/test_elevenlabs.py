@@ -169,7 +169,9 @@ def test_barge_in_stops_within_a_step_and_the_socket_goes_on(server, ended):
                                  "alaw_8000", "mp3_44100_128", "mp3_22050_32", "opus_48000_64"])
 def test_output_formats_decode_to_the_right_rate_and_length(server, fmt):
     """Every format decodes (PyAV) to its rate; PCM rates equal an offline soxr resample of the 24 kHz
-    stream within 1e-3 RMS of full scale (streaming vs whole-signal edge effects); G.711 round-trips."""
+    stream within 1e-3 RMS of full scale (the reference is another greedy run, within the service tolerance,
+    rounded to int16 before resampling: measured <= 3e-4; the streaming resampler alone is within ~1e-5 of a
+    whole-signal resample); G.711 round-trips."""
     import websockets
 
     async def run():
