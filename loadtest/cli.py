@@ -84,11 +84,15 @@ def _ints(text: str) -> list[float]:
     return [float(int(v)) for v in vals]
 
 
+TRANSPORTS = ("http", "ws", "elevenlabs")
+
+
 def _transports(text: str) -> list[str]:
     vals = ["http", "ws"] if text == "both" else [v.strip() for v in text.split(",") if v.strip()]
-    bad = [v for v in vals if v not in ("http", "ws")]
+    bad = [v for v in vals if v not in TRANSPORTS]
     if bad or not vals:
-        raise argparse.ArgumentTypeError(f"transports are http, ws (comma-separated) or both, not {text!r}")
+        raise argparse.ArgumentTypeError(f"transports are http, ws, elevenlabs (comma-separated) or both, "
+                                         f"not {text!r}")
     return list(dict.fromkeys(vals))
 
 
@@ -114,7 +118,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="wait this long for /ready at start (s; default %(default)s)")
 
     load = p.add_argument_group("load")
-    load.add_argument("--transport", type=_transports, default=["http"], help="http, ws, http,ws or both")
+    load.add_argument("--transport", type=_transports, default=["http"],
+                      help="http, ws, elevenlabs (the ElevenLabs-compatible multi-stream-input WebSocket), "
+                           "comma-separated, or both (http,ws)")
     g = load.add_mutually_exclusive_group()
     g.add_argument("--concurrency", type=_ints, help="concurrent streams per level, e.g. 1,4,16 (default 1)")
     g.add_argument("--rate", type=_floats, help="arrival rates in requests/s per level, e.g. 0.5,1,2")

@@ -1,4 +1,5 @@
-"""One measured stream per call: ``POST /v1/audio/speech`` (pcm) or one turn on ``WS /v1/audio/speech/stream``.
+"""One measured stream per call: ``POST /v1/audio/speech`` (pcm), one turn on ``WS /v1/audio/speech/stream``,
+or one context on the ElevenLabs-compatible ``multi-stream-input`` WebSocket (pcm_24000).
 
 Each function fills a :class:`StreamRecord` and never raises for what the server or the network does (errors
 are recorded by kind); only cancellation (the caller's timeout or deadline) propagates.
@@ -7,8 +8,11 @@ are recorded by kind); only cancellation (the caller's timeout or deadline) prop
 from __future__ import annotations
 
 import asyncio
+import base64
+import contextlib
 import json
 import time
+import urllib.parse
 from dataclasses import dataclass, field
 
 import httpx
@@ -20,6 +24,7 @@ from .texts import split_deltas
 
 SPEECH_PATH = "/v1/audio/speech"
 WS_PATH = "/v1/audio/speech/stream"
+ELEVENLABS_PATH = "/v1/text-to-speech/{voice}/multi-stream-input"
 DEFAULT_RETRY_AFTER_S = 1.0
 
 
@@ -58,13 +63,22 @@ class RequestOptions:
                                   ("voice", self.voice)) if v is not None}
 
     @property
-    def ws_url(self) -> str:
+    def ws_base(self) -> str:
         base = self.base_url.rstrip("/")
         if base.startswith("https://"):
-            base = "wss://" + base[len("https://"):]
-        elif base.startswith("http://"):
-            base = "ws://" + base[len("http://"):]
-        return base + WS_PATH
+            return "wss://" + base[len("https://"):]
+        if base.startswith("http://"):
+            return "ws://" + base[len("http://"):]
+        return base
+
+    @property
+    def ws_url(self) -> str:
+        return self.ws_base + WS_PATH
+
+    def elevenlabs_url(self, seed: int | None) -> str:
+        query = {"model_id": self.model, "output_format": "pcm_24000", **({"seed": seed} if seed is not None else {})}
+        return (self.ws_base + ELEVENLABS_PATH.format(voice=urllib.parse.quote(self.voice or "default", safe=""))
+                + "?" + urllib.parse.urlencode(query))
 
 
 def _error_code(raw: bytes) -> str:
@@ -144,38 +158,111 @@ async def ws_stream(opts: RequestOptions, rec: StreamRecord, text: str) -> None:
     kwargs = {"additional_headers": opts.request_headers(rec), "open_timeout": opts.connect_timeout,
               "close_timeout": 2, "max_size": None, "compression": None}
     try:
-        async with ws_connect(opts.ws_url, **kwargs) as ws:
-            first = await _recv_json(ws)
-            if first.get("type") != "session.created":
-                _ws_error(rec, first)
-                return
-            rec.connect_s = time.perf_counter() - t0
-            update = opts.generation_params(rec.seed)
-            if update:
-                await ws.send(json.dumps({"type": "session.update", **update}))
-                reply = await _recv_json(ws)
-                if reply.get("type") != "session.updated":
-                    _ws_error(rec, reply)
+        with _ws_failures(rec):
+            async with ws_connect(opts.ws_url, **kwargs) as ws:
+                first = await _recv_json(ws)
+                if first.get("type") != "session.created":
+                    _ws_error(rec, first)
                     return
-            deltas = split_deltas(text, opts.delta_max_chars) if opts.llm_tokens_per_s > 0 else [text]
-            sent = time.perf_counter()
-            done_at: list[float] = []
-            sender = asyncio.create_task(_send_text(ws, deltas, opts.llm_tokens_per_s, sent, done_at, rec))
-            try:
-                await _receive_turn(ws, rec, sent, sender)
-            finally:
-                if not sender.done():
-                    sender.cancel()
-                await asyncio.gather(sender, return_exceptions=True)
-            if done_at:
-                rec.text_send_s = done_at[0] - sent
-                first_audio = None if rec.ttfa_s is None else sent + rec.ttfa_s
-                if first_audio is not None:
-                    rec.ttfa_after_done_s = first_audio - done_at[0]
+                rec.connect_s = time.perf_counter() - t0
+                update = opts.generation_params(rec.seed)
+                if update:
+                    await ws.send(json.dumps({"type": "session.update", **update}))
+                    reply = await _recv_json(ws)
+                    if reply.get("type") != "session.updated":
+                        _ws_error(rec, reply)
+                        return
+                deltas = split_deltas(text, opts.delta_max_chars) if opts.llm_tokens_per_s > 0 else [text]
+                sent = time.perf_counter()
+                done_at: list[float] = []
+                sender = asyncio.create_task(_send_text(ws, deltas, opts.llm_tokens_per_s, sent, done_at, rec))
+                try:
+                    await _receive_turn(ws, rec, sent, sender)
+                finally:
+                    await _finish_sending(sender, rec, sent, done_at)
+    finally:
+        _end_record(rec, sent, t0)
+
+
+# ---------------------------------------------------------------------------------------------- ElevenLabs
+async def elevenlabs_stream(opts: RequestOptions, rec: StreamRecord, text: str) -> None:
+    """One context on a fresh multi-stream-input socket: the opening " ", the text as paced deltas, a flush
+    and close_context (as pipecat ends an utterance), audio until its isFinal. Greedy decoding is the
+    server's MOSSRT_ELEVENLABS_GREEDY (the protocol has no such field); max_frames does not apply."""
+    t0 = time.perf_counter()
+    sent = None
+    rec.begin_audio(opts.prebuffer_s, rec.index < opts.trace_streams)
+    headers = opts.request_headers(rec)
+    if opts.api_key:
+        headers["xi-api-key"] = opts.api_key
+    kwargs = {"additional_headers": headers, "open_timeout": opts.connect_timeout, "close_timeout": 2,
+              "max_size": None, "compression": None}
+    try:
+        with _ws_failures(rec):
+            async with ws_connect(opts.elevenlabs_url(rec.seed), **kwargs) as ws:
+                rec.connect_s = time.perf_counter() - t0
+                await ws.send(json.dumps({"text": " ", "context_id": "c"}))
+                deltas = split_deltas(text, opts.delta_max_chars) if opts.llm_tokens_per_s > 0 else [text]
+                sent = time.perf_counter()
+                done_at: list[float] = []
+                messages = [{"text": d, "context_id": "c"} for d in deltas]
+                end = [{"context_id": "c", "flush": True}, {"context_id": "c", "close_context": True}]
+                sender = asyncio.create_task(_send_paced(ws, messages, end, opts.llm_tokens_per_s, sent, done_at, rec))
+                try:
+                    while True:
+                        data = json.loads(await ws.recv())
+                        now = time.perf_counter()
+                        if data.get("error"):
+                            kind = "ws_429" if data["error"] in ("no_capacity", "rate_limited") else "ws_error"
+                            if kind == "ws_429" and rec.status in ("pending", "ok"):
+                                rec.status, rec.error_kind = "rejected", f"ws_429:{data['error']}"
+                                rec.retry_after_s = DEFAULT_RETRY_AFTER_S
+                            else:
+                                fail_record(rec, f"{kind}:{data['error']}", data.get("message"))
+                            rec.total_s = now - sent
+                            return
+                        if data.get("audio"):
+                            rec.on_audio(now, sent, len(base64.b64decode(data["audio"])))
+                        if data.get("isFinal") is True:
+                            rec.total_s = now - sent
+                            if rec.status == "pending":
+                                if rec.audio_bytes:
+                                    rec.status = "ok"
+                                else:
+                                    fail_record(rec, "no_audio")
+                            return
+                finally:
+                    await _finish_sending(sender, rec, sent, done_at)
+    finally:
+        _end_record(rec, sent, t0)
+
+
+def _end_record(rec: StreamRecord, sent: float | None, t0: float) -> None:
+    if rec.total_s is None and sent is not None and rec.status != "pending":
+        rec.total_s = time.perf_counter() - sent
+    rec.finish_audio(sent if sent is not None else t0)
+
+
+async def _finish_sending(sender: asyncio.Task, rec: StreamRecord, sent: float, done_at: list) -> None:
+    """Stop the text sender if it still runs; record when the text was all sent, and TTFA after that."""
+    if not sender.done():
+        sender.cancel()
+    await asyncio.gather(sender, return_exceptions=True)
+    if done_at:
+        rec.text_send_s = done_at[0] - sent
+        if rec.ttfa_s is not None:
+            rec.ttfa_after_done_s = sent + rec.ttfa_s - done_at[0]
+
+
+@contextlib.contextmanager
+def _ws_failures(rec: StreamRecord):
+    """What the network or the server does to a WebSocket stream, recorded by kind (a 429 handshake is a
+    rejection)."""
+    try:
+        yield
     except ConnectionClosed as e:
         rcvd = getattr(e, "rcvd", None)
-        code = rcvd.code if rcvd is not None else "none"
-        fail_record(rec, f"ws_closed:{code}", str(e))
+        fail_record(rec, f"ws_closed:{rcvd.code if rcvd is not None else 'none'}", str(e))
     except asyncio.TimeoutError as e:                   # open_timeout
         fail_record(rec, "connect_timeout", repr(e))
     except InvalidHandshake as e:
@@ -186,10 +273,6 @@ async def ws_stream(opts: RequestOptions, rec: StreamRecord, text: str) -> None:
             fail_record(rec, f"ws_handshake_{status or 'failed'}", str(e))
     except OSError as e:
         fail_record(rec, "connect_error", repr(e))
-    finally:
-        if rec.total_s is None and sent is not None and rec.status != "pending":
-            rec.total_s = time.perf_counter() - sent
-        rec.finish_audio(sent if sent is not None else t0)
 
 
 async def _recv_json(ws) -> dict:
@@ -205,14 +288,22 @@ async def _recv_json(ws) -> dict:
 
 async def _send_text(ws, deltas: list[str], tps: float, sent: float, done_at: list, rec: StreamRecord) -> None:
     """Deltas on a fixed schedule (delta i at sent + i / tps, no drift), then input.done."""
-    for i, delta in enumerate(deltas):
+    await _send_paced(ws, [{"type": "input.text", "text": d} for d in deltas], [{"type": "input.done"}], tps, sent,
+                      done_at, rec)
+
+
+async def _send_paced(ws, messages: list[dict], end: list[dict], tps: float, sent: float, done_at: list,
+                      rec: StreamRecord) -> None:
+    """Text messages on a fixed schedule (message i at sent + i / tps, no drift), then the end messages."""
+    for i, message in enumerate(messages):
         if i and tps > 0:
             delay = sent + i / tps - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)
-        await ws.send(json.dumps({"type": "input.text", "text": delta}))
+        await ws.send(json.dumps(message))
         rec.deltas = i + 1
-    await ws.send(json.dumps({"type": "input.done"}))
+    for message in end:
+        await ws.send(json.dumps(message))
     done_at.append(time.perf_counter())
 
 

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-COLORS = {"http": "tab:blue", "ws": "tab:orange"}
-LABELS = {"http": "HTTP POST /v1/audio/speech (pcm)", "ws": "WebSocket (LLM-paced text)"}
+COLORS = {"http": "tab:blue", "ws": "tab:orange", "elevenlabs": "tab:green"}
+LABELS = {"http": "HTTP POST /v1/audio/speech (pcm)", "ws": "WebSocket (LLM-paced text)",
+          "elevenlabs": "ElevenLabs multi-stream-input (LLM-paced text)"}
 
 
 def _level_ticks(ax, mode: str, positions, levels: list[float]) -> None:
@@ -42,7 +43,7 @@ def make_plots(report: dict, out: Path) -> list[str]:
     if not levels:
         return []
     mode = report["config"]["mode"]
-    transports = [t for t in ("http", "ws") if any(s["transport"] == t for s in levels)]
+    transports = [t for t in COLORS if any(s["transport"] == t for s in levels)]
     all_levels = sorted({s["level"] for s in levels})
     demo = ((report.get("server") or {}).get("ready_before") or {}).get("demo")
     where = f"\n{report['config']['url']}" + (" (demo bundle)" if demo else "")

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import httpx
 
 from . import promtext
-from .clients import DEFAULT_RETRY_AFTER_S, RequestOptions, fail_record, http_stream, ws_stream
+from .clients import DEFAULT_RETRY_AFTER_S, RequestOptions, elevenlabs_stream, fail_record, http_stream, ws_stream
 from .hostcpu import CpuMeter
 from .stats import StreamRecord, summarize
 
@@ -120,6 +120,7 @@ class Runner:
         records.append(rec)
         try:
             coro = (http_stream(self.client, cfg.opts, rec, text) if transport == "http"
+                    else elevenlabs_stream(cfg.opts, rec, text) if transport == "elevenlabs"
                     else ws_stream(cfg.opts, rec, text))
             await asyncio.wait_for(coro, cfg.request_timeout)
         except asyncio.TimeoutError:

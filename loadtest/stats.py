@@ -188,7 +188,7 @@ def summarize(records: list[StreamRecord], wall_s: float, transport: str, mode: 
         "throughput_audio_s_per_s": round(audio_total / wall_s, 3) if wall_s > 0 else None,
         "completed_per_s": round(len(ok) / wall_s, 3) if wall_s > 0 else None,
     }
-    if transport == "ws":
+    if transport in ("ws", "elevenlabs"):
         summary["connect_ms"] = _scaled(pct([r.connect_s for r in records if r.connect_s is not None]), 1000)
         summary["ttfa_after_done_ms"] = _scaled(pct([r.ttfa_after_done_s for r in ok]), 1000)
         summary["finish_reasons"] = _count(r.finish_reason for r in ok)

@@ -184,3 +184,15 @@ def test_overload_counts_429s(servers):
     assert kinds <= {"http_429:no_capacity", "ws_429:no_capacity"} and kinds
     http_rejected = [r for r in report["streams"] if r["transport"] == "http" and r["status"] == "rejected"]
     assert all(r["http_status"] == 429 and r["retry_after_s"] == 1 for r in http_rejected)
+
+
+def test_elevenlabs_transport(servers):
+    """--transport elevenlabs drives the ElevenLabs-compatible multi-stream-input socket with the same
+    paced text: every stream ends with its isFinal and audio, TTFA measured."""
+    roomy, _ = servers
+    report = loadtest_run(["--url", roomy.base, "--concurrency", "1", "--requests", "2", "--transport", "elevenlabs",
+                           *COMMON])
+    (s,) = report["levels"]
+    assert s["transport"] == "elevenlabs" and s["ok"] == 2 and s["errors"] == 0, s
+    assert s["ttfa_ms"]["p50"] > 0 and s["audio_s"] > 0 and s["connect_ms"]["n"] == 2
+    assert all(r["status"] == "ok" and r["deltas"] >= 1 and r["chunks"] >= 1 for r in report["streams"])

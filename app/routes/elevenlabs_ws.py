@@ -5,9 +5,9 @@ socket are consecutive assistant turns of one conversation (the KV context carri
 time in the order their text arrived. A ``flush`` without text ends the context's current turn (everything
 received is spoken; livekit sends one, pipecat sends a bare flush); a flush with text is only a hint (text is
 spoken as it arrives). ``close_context`` after such an end lets the turn finish and then sends ``isFinal``;
-``close_context`` with text not yet ended, or a second one, is a barge-in: the turn is cancelled at the next step and the context
-truncated to the audio that was sent. When the conversation's context is nearly full the next turn
-starts a fresh stream. See the README ("ElevenLabs-compatible API").
+``close_context`` with text not yet ended, or a second one, is a barge-in: the turn is cancelled at the
+next step and the context truncated to the audio that was sent. When the conversation's context is nearly
+full the next turn starts a fresh stream. See the README ("ElevenLabs-compatible API").
 """
 
 from __future__ import annotations
@@ -241,7 +241,9 @@ class ElevenLabsSession:
             return
         if msg.text is None and not msg.flush:
             return
-        if ctx is None and cid in self.closed_ids and (msg.text or msg.flush):
+        if ctx is None and cid in self.closed_ids:
+            if not (msg.text or msg.flush):
+                return          # a keep-alive naming a context that has ended
             raise ApiError(400, f"context {cid!r} was closed: open a new context_id for more text",
                            param="context_id", code="context_closed")
         if ctx is None:
@@ -251,6 +253,8 @@ class ElevenLabsSession:
             ctx = self.contexts[cid] = Context(cid)
             if msg.text == " ":
                 return          # the context-opening " " (it carries the ignored voice settings)
+        if (ctx.close_requested or ctx.cancelled) and not (msg.text or msg.flush):
+            return              # a keep-alive for a context that is finishing
         if ctx.close_requested or ctx.cancelled:
             raise ApiError(400, f"context {cid!r} was closed: open a new context_id for more text",
                            param="context_id", code="context_closed")
@@ -375,17 +379,17 @@ class ElevenLabsSession:
 
     def _fresh_stream(self) -> None:
         log.info("conversation context full (%d rows): the next turn starts a fresh one", self.handle.context_rows)
-        if self._sender is not None:
-            self._sender.cancel()
+        if self._sender is not None and self._sender is not asyncio.current_task():
+            self._sender.cancel()    # (called from the sender itself, it returns after this event)
         self.handle.close()
         self.handle, self._sender = None, None
 
     async def _send_events(self, handle: StreamHandle) -> None:
         try:
-            while True:
+            while handle is self.handle:
                 event = await handle.aget()
                 ctx = self.active
-                if ctx is None:
+                if ctx is None or handle is not self.handle:
                     continue
                 if isinstance(event, FrameEvent):
                     await self._on_frame(ctx, event)
