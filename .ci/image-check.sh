@@ -18,7 +18,8 @@
 #
 #   bash .ci/image-check.sh                         (from anywhere; CI: after the other checks)
 # Knobs: HOST_PYTHON (.venv/bin/python: soundfile and PyAV decode the audio on the host),
-# READY_TIMEOUT (180), DRAIN_TIMEOUT (60, the server's default), PRESTOP_ALLOWANCE (30) seconds, IMAGE_CHECK_CUDA (1; 0 skips
+# READY_TIMEOUT (180), DRAIN_TIMEOUT (60, the server's default), SHUTDOWN_DELAY (2), PRESTOP_ALLOWANCE (30:
+# the stop may take DRAIN_TIMEOUT + PRESTOP_ALLOWANCE) seconds, IMAGE_CHECK_CUDA (1; 0 skips
 # the CUDA image, for local runs only).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -26,6 +27,7 @@ cd "$(dirname "$0")/.."
 READY_TIMEOUT=${READY_TIMEOUT:-180}
 DRAIN_TIMEOUT=${DRAIN_TIMEOUT:-60}
 PRESTOP_ALLOWANCE=${PRESTOP_ALLOWANCE:-30}
+SHUTDOWN_DELAY=${SHUTDOWN_DELAY:-2}  # MOSSRT_SHUTDOWN_DELAY: /ready 503 before the drain (servers without it ignore it)
 HOST_PYTHON=${HOST_PYTHON:-.venv/bin/python}
 CHECK_CUDA=${IMAGE_CHECK_CUDA:-1}
 UID_IN_IMAGE=10001
@@ -109,7 +111,10 @@ debian_mirror() {
 }
 mirror=$(debian_mirror | head -n 1)
 [[ -n $mirror ]] || fail "no Debian bookworm mirror in /etc/apt/sources.list or /etc/apt/sources.list.d/"
-recipe=$( (echo "debootstrap --variant=minbase bookworm $mirror"; cat .ci/python-base.Containerfile) | sha256sum | cut -c1-16)
+# debootstrap leaves its .deb files and package lists behind: ~125 MB the official image does not carry
+debootstrap_cleanup() { rm -rf "$1"/var/cache/apt/archives/*.deb "$1"/var/lib/apt/lists/* "$1"/debootstrap; }
+recipe=$( (echo "debootstrap --variant=minbase bookworm $mirror"; declare -f debootstrap_cleanup
+           cat .ci/python-base.Containerfile) | sha256sum | cut -c1-16)
 t0=$SECONDS
 if [[ $(pm image inspect --format '{{index .Labels "mossrt.ci.recipe"}}' "$BASE_IMAGE" 2>/dev/null) == "$recipe" ]]; then
     say "stand-in base $BASE_IMAGE is up to date (recipe $recipe)"
@@ -118,6 +123,7 @@ else
     rootfs=$tmp/rootfs
     debootstrap --variant=minbase bookworm "$rootfs" "$mirror" >"$tmp/debootstrap.log" 2>&1 \
         || { tail -n 30 "$tmp/debootstrap.log" >&2; fail "debootstrap failed"; }
+    debootstrap_cleanup "$rootfs"
     old=$(image_id "$DEBIAN_IMAGE")
     tar -C "$rootfs" -c . | pm import --quiet --change 'CMD ["bash"]' - "$DEBIAN_IMAGE" >/dev/null
     rm -rf "$rootfs"
@@ -149,7 +155,7 @@ build() {  # FLAVOUR: the builder stage and the final image, both tagged (no dan
         pm build --format docker --network host "${ULIMITS[@]}" "${secrets[@]}" \
             --build-arg PYTHON_IMAGE="$BASE_IMAGE" "${target[@]}" \
             -f "docker/Dockerfile.$flavour" -t "$tag" . >"$tmp/build-$flavour-$stage.log" 2>&1 \
-            || { tail -n 40 "$tmp/build-$flavour-$target.log" >&2; fail "podman build of docker/Dockerfile.$flavour failed"; }
+            || { tail -n 40 "$tmp/build-$flavour-$stage.log" >&2; fail "podman build of docker/Dockerfile.$flavour failed"; }
         drop_if_untagged "$old"
     done
     build_seconds[$flavour]=$((SECONDS - t0))
@@ -225,7 +231,7 @@ run_cpu_image() {
     started=$SECONDS
     # --no-healthcheck: podman would time the HEALTHCHECK with systemd, which CI lacks; it runs below
     pm run -d --name "$name" "${ULIMITS[@]}" --no-healthcheck -p "127.0.0.1:$port:8000" -v "$volume:/data" \
-        -e MOSSRT_BUNDLE= -e MOSSRT_DRAIN_TIMEOUT="$DRAIN_TIMEOUT" "$image" >"$tmp/run.log" 2>&1 \
+        -e MOSSRT_BUNDLE= -e MOSSRT_DRAIN_TIMEOUT="$DRAIN_TIMEOUT" -e MOSSRT_SHUTDOWN_DELAY="$SHUTDOWN_DELAY" "$image" >"$tmp/run.log" 2>&1 \
         || { cat "$tmp/run.log" >&2; fail "podman run $image failed"; }
     local -a alive=("${PODMAN[@]}" inspect --format '{{.State.Running}}' "$name")
     secs=$("$HOST_PYTHON" .ci/image_probe.py wait "$base" /health "$READY_TIMEOUT" -- "${alive[@]}") || fail "no /health 200 from the container"
