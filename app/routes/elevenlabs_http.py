@@ -103,7 +103,7 @@ async def _speak(voice_id: str, request: Request, timestamps: str | None):
                            code="invalid_request") from None
         if not body.text.strip():
             raise ApiError(400, "text is empty", code="empty_text")
-        voice = service.resolve_voice(voice_id, param="voice_id")
+        voice = await run_in_threadpool(service.resolve_voice, voice_id, param="voice_id")   # reads its codes
         params = service.sampling(SamplingFields(greedy=service.settings.elevenlabs_greedy or None))
         seed = body.seed if body.seed is not None else service.settings.elevenlabs_seed
         try:
@@ -114,8 +114,9 @@ async def _speak(voice_id: str, request: Request, timestamps: str | None):
             raise ApiError(400, str(e), code="invalid_text") from None
         encoder = fmt.encoder(service.model.codec.sample_rate)
         try:
-            handle = await run_in_threadpool(service.start_utterance, ids, voice, params, seed, AsyncSink(),
-                                             text=body.text)
+            # waiting for a slot awaits (no thread held); the queue timeout counts from the request's arrival
+            handle = await service.astart_utterance(ids, voice, params, seed, AsyncSink(),
+                                                    arrived=request.state.started, text=body.text)
         except BaseException:
             encoder.close()
             raise

@@ -133,7 +133,7 @@ class ElevenLabsSession:
     async def run(self) -> None:
         self.metrics.sessions.inc()
         try:
-            self._configure()
+            await self._configure()
             while True:
                 try:
                     message = await asyncio.wait_for(self.ws.receive(), timeout=self.timeout)
@@ -172,7 +172,7 @@ class ElevenLabsSession:
         except (WebSocketDisconnect, RuntimeError):
             pass
 
-    def _configure(self) -> None:
+    async def _configure(self) -> None:
         """Query parameters, readiness and the voice: refused before any text."""
         try:
             params = ConnectionParams.from_query(self.ws.query_params)
@@ -182,7 +182,7 @@ class ElevenLabsSession:
         try:
             self.format = parse_output_format(params.output_format)
             self.service.require_ready()
-            self.voice = self.service.resolve_voice(self.voice_id, param="voice_id")
+            self.voice = await run_in_threadpool(self.service.resolve_voice, self.voice_id, param="voice_id")
         except ApiError as e:
             raise Fatal(e.code or "invalid_request", e.message,
                         CLOSE_INTERNAL if e.status >= 500 else CLOSE_POLICY) from None
@@ -364,7 +364,7 @@ class ElevenLabsSession:
                 self.handle = self.service.open_stream(self.voice, params, self.seed, AsyncSink())
                 self._sender = asyncio.create_task(self._send_events(self.handle))
             try:
-                await run_in_threadpool(self.handle.begin_turn, "", None, None, None, params)
+                await self.handle.abegin_turn("", None, None, None, params)      # awaits a slot, holds no thread
                 break
             except ContextLimitError:
                 if attempt:
