@@ -9,7 +9,8 @@
 # First start: when MOSSRT_EXPORT_MODEL is set and $MOSSRT_BUNDLE/manifest.json does not exist, the
 # bundle is exported first (hub ids or paths mounted into the container):
 #   mossrt export --model "$MOSSRT_EXPORT_MODEL" --codec "$MOSSRT_EXPORT_CODEC" \
-#                 --out "$MOSSRT_BUNDLE" --dtype "${MOSSRT_EXPORT_DTYPE:-fp32}"
+#                 --out "$MOSSRT_BUNDLE" --dtype "${MOSSRT_EXPORT_DTYPE:-fp32}" \
+#                 --compute-dtype "${MOSSRT_EXPORT_COMPUTE_DTYPE:-fp32}"      (the CUDA image sets both to bf16)
 # The manifest is written last, so an interrupted export is simply redone at the next start.
 #
 # Then `exec mossrt ...`: the server replaces this shell, so tini's SIGTERM (docker stop, Kubernetes)
@@ -55,9 +56,10 @@ export_bundle() {
     fi
     if ! has_manifest; then
         say "no bundle in $MOSSRT_BUNDLE: exporting $MOSSRT_EXPORT_MODEL + $MOSSRT_EXPORT_CODEC" \
-            "(dtype ${MOSSRT_EXPORT_DTYPE:-fp32}); the real model takes minutes"
+            "(dtype ${MOSSRT_EXPORT_DTYPE:-fp32}, compute ${MOSSRT_EXPORT_COMPUTE_DTYPE:-fp32}); the real model takes minutes"
         mossrt export --model "$MOSSRT_EXPORT_MODEL" --codec "$MOSSRT_EXPORT_CODEC" \
             --out "$MOSSRT_BUNDLE" --dtype "${MOSSRT_EXPORT_DTYPE:-fp32}" \
+            --compute-dtype "${MOSSRT_EXPORT_COMPUTE_DTYPE:-fp32}" \
             || die "mossrt export failed (exit $?); nothing is served"
         say "bundle written to $MOSSRT_BUNDLE"
     fi

@@ -13,8 +13,12 @@
 # cuda flavour (onnxruntime-gpu). By default the CUDA/cuDNN runtime libraries come from PyPI as
 # onnxruntime-gpu's own extras (onnxruntime-gpu[cuda,cudnn] -> nvidia-* wheels), resolved together
 # with onnxruntime-gpu so their major versions always match the build of onnxruntime-gpu:
-#   MOSSRT_CUDA_MAJOR=12 (default)  onnxruntime-gpu <1.27, CUDA 12 + cuDNN 9 (host driver >= 525)
-#   MOSSRT_CUDA_MAJOR=13            onnxruntime-gpu >=1.27, CUDA 13 + cuDNN 9 (host driver >= 580)
+#   MOSSRT_CUDA_MAJOR=13 (default)  the `cuda` extra's onnxruntime-gpu (1.31.1, the version whose kernel
+#                                   table engine/data holds for the placement check), CUDA 13 + cuDNN 9
+#                                   (host driver >= 580)
+#   MOSSRT_CUDA_MAJOR=12            onnxruntime-gpu <1.27, CUDA 12 + cuDNN 9 (host driver >= 525): for older
+#                                   drivers; the placement check still reads 1.31.1's table (not verified
+#                                   against 1.26's kernels)
 #   MOSSRT_CUDA_LIBS=system         no nvidia-* wheels: CUDA/cuDNN come from the system (e.g. an
 #                                   nvidia/cuda:*-cudnn-runtime base image); onnxruntime-gpu unconstrained
 # onnxruntime does not search the nvidia-* wheels by itself: their lib/ folders must be known to the
@@ -77,9 +81,10 @@ reqs=("$scratch/src[$extras]")
 if [[ $flavour == cuda ]]; then
     case "${MOSSRT_CUDA_LIBS:-pip}" in
         pip)
-            case "${MOSSRT_CUDA_MAJOR:-12}" in
-                12) reqs+=("onnxruntime-gpu[cuda,cudnn]>=1.19,<1.27") ;;
-                13) reqs+=("onnxruntime-gpu[cuda,cudnn]>=1.27") ;;
+            case "${MOSSRT_CUDA_MAJOR:-13}" in
+                # the cuda extra pins 1.31.1 (a CUDA 13 build): CUDA 12 takes an older one instead of the extra
+                12) reqs=("$scratch/src[hub]" "onnxruntime-gpu[cuda,cudnn]>=1.19,<1.27") ;;
+                13) reqs+=("onnxruntime-gpu[cuda,cudnn]") ;;
                 *) die "MOSSRT_CUDA_MAJOR must be 12 or 13, got '$MOSSRT_CUDA_MAJOR'" ;;
             esac ;;
         system) ;;

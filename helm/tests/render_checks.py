@@ -246,12 +246,14 @@ def check_manifests(c: Checker, docs: list[dict], v: dict, chart: dict) -> list[
         ex = inits["export-bundle"]
         c.eq(ex["image"], main["image"], "export init container image (same image as the server)")
         script = " ".join(ex.get("command") or []) + " " + " ".join(ex.get("args") or [])
-        for word in ("mossrt export", "--model", "--codec", "--out", "--dtype", "manifest.json"):
+        for word in ("mossrt export", "--model", "--codec", "--out", "--dtype", "--compute-dtype", "manifest.json"):
             c.ok(word in script, f"export init container script lacks {word!r}")
         c.eq(env_value(ex, "MOSSRT_BUNDLE"), v["bundlePath"], "export env MOSSRT_BUNDLE")
         c.eq(env_value(ex, "MOSSRT_EXPORT_MODEL"), v["export"]["model"], "export env MOSSRT_EXPORT_MODEL")
         c.eq(env_value(ex, "MOSSRT_EXPORT_CODEC"), v["export"]["codec"], "export env MOSSRT_EXPORT_CODEC")
         c.eq(env_value(ex, "MOSSRT_EXPORT_DTYPE"), v["export"]["dtype"], "export env MOSSRT_EXPORT_DTYPE")
+        c.eq(env_value(ex, "MOSSRT_EXPORT_COMPUTE_DTYPE"), v["export"]["computeDtype"],
+             "export env MOSSRT_EXPORT_COMPUTE_DTYPE")
         c.ok(any(m["mountPath"] == data_path and m["name"] == mounts[data_path]["name"]
                  for m in ex.get("volumeMounts") or []), "export init container does not mount the data volume")
         c.ok(not any(is_gpu_resource(k) for k in (ex.get("resources") or {}).get("limits", {}) or {}),
