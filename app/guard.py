@@ -46,9 +46,9 @@ def body_limit(settings: ServerSettings, content_type: str) -> int:
 
 
 class RequestGuard:
-    def __init__(self, app, settings: ServerSettings, metrics: Metrics, counted_elsewhere: str, openapi):
+    def __init__(self, app, settings: ServerSettings, metrics: Metrics, counted_elsewhere: tuple[str, ...], openapi):
         self.app, self.settings, self.metrics = app, settings, metrics
-        self.counted_elsewhere = counted_elsewhere   # a streamed endpoint that counts its requests when they end
+        self.counted_elsewhere = counted_elsewhere   # streamed endpoints that count their requests when they end
         self._openapi = openapi                      # the app's schema: the route templates of unrouted refusals
         self._templates: list[tuple[re.Pattern, str]] | None = None
 
@@ -129,7 +129,7 @@ class RequestGuard:
     def _count(self, scope, status: int) -> None:
         endpoint = getattr(scope.get("route"), "path", None) or self._template(scope["path"])
         # a streamed speech response counts itself when it ends (its status is only known then)
-        if (status >= 400 or endpoint != self.counted_elsewhere) and endpoint.startswith("/v1"):
+        if (status >= 400 or endpoint not in self.counted_elsewhere) and endpoint.startswith("/v1"):
             self.metrics.requests.labels(endpoint, str(status)).inc()
 
 

@@ -65,7 +65,8 @@ def create_app(settings: ServerSettings, bundle: Bundle) -> FastAPI:
     app.state.metrics = metrics
     errors.install(app)
     # added first, so it runs inside CORS: preflights are answered before it, its refusals get CORS headers
-    app.add_middleware(RequestGuard, settings=settings, metrics=metrics, counted_elsewhere=speech.ENDPOINT,
+    app.add_middleware(RequestGuard, settings=settings, metrics=metrics,
+                       counted_elsewhere=(speech.ENDPOINT, *elevenlabs_http.STREAMED_PATHS),
                        openapi=lambda: app.openapi())
     if settings.cors_origins:
         app.add_middleware(JsonCORSMiddleware, allow_origins=settings.cors_origins, allow_methods=["*"],

@@ -28,6 +28,12 @@ from service_helpers import LONG_TEXT, PCM_TOLERANCE, TEXT, Server, pcm16
 SLOT_BOUND_S = 10          # a freed slot shows in /metrics within this (generous: the machine is shared)
 KEY = "secret-key-1"
 LONG_BODY = {"model": "x", "input": LONG_TEXT * 4, "response_format": "pcm", "speed": 0.25, "max_frames": 3750}
+# the same long stream through each HTTP route that streams audio: (path, body, the route's metric label)
+STREAMING_ROUTES = {
+    "openai": ("/v1/audio/speech", LONG_BODY, "/v1/audio/speech"),
+    "elevenlabs": ("/v1/text-to-speech/default/stream?output_format=pcm_48000", {"text": LONG_TEXT * 4},
+                   "/v1/text-to-speech/{voice_id}/stream"),
+}
 
 
 # ---------------------------------------------------------------------------------------------- helpers
@@ -70,10 +76,11 @@ def reset(sock: socket.socket) -> None:
     sock.close()
 
 
-def holding_stream(server: Server, rcvbuf: int = 4096) -> socket.socket:
+def holding_stream(server: Server, rcvbuf: int = 4096, route: str = "openai") -> socket.socket:
     """A long pcm stream whose client reads nothing: once the socket buffers are full the server is blocked
     in ``send`` and generation pauses. Returns when the stream holds its slot and has stopped generating."""
-    sock = raw_request(server, json.dumps(LONG_BODY).encode(), rcvbuf=rcvbuf)
+    path, body, _ = STREAMING_ROUTES[route]
+    sock = raw_request(server, json.dumps(body).encode(), path=path, rcvbuf=rcvbuf)
     wait_for(lambda: metric(server, "mossrt_active_streams") == 1, 30, "the stream took its slot")
     last = [-1.0]
 
@@ -177,19 +184,22 @@ def body_of(answer: bytes) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------- item 1
-def test_client_reset_while_the_server_is_blocked_sending_frees_the_slot(full_bundle_dir, tmp_path):
+@pytest.mark.parametrize("route", sorted(STREAMING_ROUTES))
+def test_client_reset_while_the_server_is_blocked_sending_frees_the_slot(full_bundle_dir, tmp_path, route):
     """A client with a small receive buffer reads nothing until the server is blocked in ``send`` with
     generation paused, then resets (SO_LINGER 0): the slot is back within SLOT_BOUND_S seconds (well
-    below the stall timeout, so the reset alone frees it), and a fresh request is admitted at once."""
+    below the stall timeout, so the reset alone frees it), and a fresh request is admitted at once. The
+    same through the ElevenLabs-compatible streaming route."""
+    label = STREAMING_ROUTES[route][2]
     with Server(full_bundle_dir, tmp_path / "v", tmp_path / "s.log", "--max-streams", "1", "--queue-timeout", "0",
                 "--stall-timeout", "600") as s:
         for _ in range(2):                      # the leak was intermittent: twice on one server
-            reset(holding_stream(s))
+            reset(holding_stream(s, route=route))
             wait_for(lambda: metric(s, "mossrt_active_streams") == 0, SLOT_BOUND_S, "the reset stream's slot freed")
             r = httpx.post(s.base + "/v1/audio/speech", timeout=60,
                            json={"model": "x", "input": "Hello there.", "response_format": "pcm"})
             assert r.status_code == 200, r.text
-        assert metric(s, "mossrt_requests_total", endpoint="/v1/audio/speech", status="client_disconnected") == 2
+        assert metric(s, "mossrt_requests_total", endpoint=label, status="client_disconnected") == 2
 
 
 # ---------------------------------------------------------------------------------------------- item 7

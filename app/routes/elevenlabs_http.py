@@ -13,7 +13,7 @@ import json
 import logging
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, ValidationError
 from starlette.concurrency import run_in_threadpool
 
@@ -27,11 +27,14 @@ from ..elevenlabs.alignment import FRAME_MS, Aligner
 from ..elevenlabs.formats import parse_output_format
 from ..errors import ApiError, from_engine
 from ..metrics import FRAME_SECONDS, StreamMeter
+from ..streaming import StreamedResponse, StreamEnd
 from ..service import DEFAULT_VOICE, SamplingFields, TTSService
 
 log = logging.getLogger("mossrt.elevenlabs")
 router = APIRouter()
 TTS_PATH = "/v1/text-to-speech/{voice_id}"
+# routes whose successful requests count themselves when their stream ends (the status is known only then)
+STREAMED_PATHS = tuple(TTS_PATH + suffix for suffix in ("", "/stream", "/with-timestamps", "/stream/with-timestamps"))
 
 
 class TextToSpeechRequest(BaseModel):
@@ -86,7 +89,7 @@ async def list_voices(request: Request):
 
 
 async def _speak(voice_id: str, request: Request, timestamps: str | None):
-    path = request.url.path
+    endpoint = request.scope["route"].path          # the route's template: one label per route, not per voice
     service: TTSService = request.app.state.service
     metrics = request.app.state.metrics
     try:
@@ -120,26 +123,29 @@ async def _speak(voice_id: str, request: Request, timestamps: str | None):
         except BaseException:
             encoder.close()
             raise
-    except (ApiError, EngineError) as e:
+    except (ApiError, EngineError) as e:      # counted by the request guard with its status
         err = e if isinstance(e, ApiError) else from_engine(e)
-        metrics.requests.labels(path, str(err.status)).inc()
         return _error(err.status, err.code or "error", err.message, err.headers)
     meter = StreamMeter(metrics, "elevenlabs_http", request.state.started)
-    chunks = _chunks(handle, encoder, meter, metrics, path, Aligner() if timestamps else None, body.text)
+    end = StreamEnd(handle, encoder, meter, metrics, endpoint)
+    chunks = _chunks(handle, encoder, meter, end, Aligner() if timestamps else None, body.text)
     headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no", "X-Request-Id": request.state.request_id}
     if timestamps == "whole":
-        return JSONResponse(await _whole(chunks), headers=headers)
+        try:
+            return JSONResponse(await _whole(chunks), headers=headers)
+        finally:
+            end()
+    stall = service.settings.stall_timeout
     if timestamps:
-        return StreamingResponse(_ndjson(chunks), media_type="application/json", headers=headers)
-    return StreamingResponse((data async for data, _ in chunks if data), media_type=encoder.content_type,
+        return StreamedResponse(_ndjson(chunks), end, stall, media_type="application/json", headers=headers)
+    return StreamedResponse((data async for data, _ in chunks if data), end, stall, media_type=encoder.content_type,
                              headers=headers)
 
 
-async def _chunks(handle: StreamHandle, encoder: StreamEncoder, meter: StreamMeter, metrics, path: str,
+async def _chunks(handle: StreamHandle, encoder: StreamEncoder, meter: StreamMeter, end: StreamEnd,
                   aligner: Aligner | None, text: str):
-    """(encoded bytes, alignment with absolute times in seconds or None) per frame; the stream, encoder,
-    meter and request count are closed however the loop ends."""
-    status = "client_disconnected"
+    """(encoded bytes, alignment with absolute times in seconds or None) per frame; the final status goes
+    to ``end``, which closes the stream, the encoder and the meter and counts the request."""
     offset_ms = 0.0
     if aligner is not None:
         aligner.add(text)
@@ -157,17 +163,14 @@ async def _chunks(handle: StreamHandle, encoder: StreamEncoder, meter: StreamMet
             elif isinstance(event, StreamError):
                 raise event.error
             elif isinstance(event, TurnEnd):
-                status = "200"
+                end.status = "200"
                 yield encoder.close(), _absolute(aligner.rest() if aligner else None, offset_ms)
                 return
     except EngineError as e:                 # headers are sent: the body can only end early
-        status = str(from_engine(e).status)
+        end.status = str(from_engine(e).status)
         log.error("elevenlabs speech failed after %d frames: %s", meter.frames, e)
     finally:
-        handle.close()
-        encoder.close()
-        meter.finish()
-        metrics.requests.labels(path, status).inc()
+        end()
 
 
 def _absolute(span: dict | None, offset_ms: float) -> dict | None:

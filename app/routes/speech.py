@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import json
 import logging
 
 from fastapi import APIRouter, Depends, Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import Response
 from starlette.concurrency import run_in_threadpool
 
 from engine.errors import ContextLimitError, EngineError, InputError, TextTooLongError
@@ -19,6 +18,7 @@ from ..audio_formats import CONTENT_TYPES, StreamEncoder
 from ..auth import require_key
 from ..errors import ApiError, from_engine
 from ..metrics import FRAME_SECONDS, StreamMeter
+from ..streaming import StreamedResponse, StreamEnd
 from ..schemas import SpeechRequest
 from ..service import SamplingFields, TTSService
 
@@ -67,75 +67,16 @@ async def create_speech(body: SpeechRequest, request: Request):
         raise from_engine(e) from None          # counted by the request middleware with its status
 
     meter = StreamMeter(metrics, "sse" if body.stream_format == "sse" else "http", request.state.started)
-    end = _StreamEnd(handle, encoder, meter, metrics)
+    end = StreamEnd(handle, encoder, meter, metrics, ENDPOINT)
     headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no", "X-Request-Id": request.state.request_id}
     stall = service.settings.stall_timeout
     if body.stream_format == "sse":
-        return _SpeechResponse(_sse(handle, encoder, meter, len(ids), end), end, stall, media_type="text/event-stream",
+        return StreamedResponse(_sse(handle, encoder, meter, len(ids), end), end, stall, media_type="text/event-stream",
                                headers=headers)
-    return _SpeechResponse(_audio(handle, encoder, end), end, stall, media_type=encoder.content_type, headers=headers)
+    return StreamedResponse(_audio(handle, encoder, end), end, stall, media_type=encoder.content_type, headers=headers)
 
 
-class _StreamEnd:
-    """Closes a speech stream once, however it ends (done, engine error, client gone or stalled): the
-    engine stream (its slot), the encoder, the meter, and the request counted with its final status."""
-
-    def __init__(self, handle: StreamHandle, encoder: StreamEncoder, meter: StreamMeter, metrics):
-        self.handle, self.encoder, self.meter, self.metrics = handle, encoder, meter, metrics
-        self.status = "client_disconnected"
-        self._done = False
-
-    def __call__(self) -> None:
-        if self._done:
-            return
-        self._done = True
-        self.handle.close()
-        self.encoder.close()
-        self.meter.finish()
-        self.metrics.requests.labels(ENDPOINT, self.status).inc()
-
-
-class _ClientStalled(Exception):
-    pass
-
-
-class _SpeechResponse(StreamingResponse):
-    """The streamed body, tied to the response's lifetime rather than its generator's: when the response
-    ends in any way (a client reset cancels it while ``send`` blocks, leaving the generator suspended
-    until garbage collection) the stream is closed here. A chunk the client does not take within
-    ``stall_timeout`` seconds ends the response (the slot is freed, ``mossrt_stalled_streams_total``)."""
-
-    def __init__(self, content, end: _StreamEnd, stall_timeout: float, **kwargs):
-        super().__init__(content, **kwargs)
-        self._end, self._stall_timeout = end, stall_timeout
-
-    async def __call__(self, scope, receive, send) -> None:
-        async def bounded_send(message) -> None:
-            try:
-                await asyncio.wait_for(send(message), self._stall_timeout)
-            except asyncio.TimeoutError:
-                raise _ClientStalled from None
-
-        try:
-            await super().__call__(scope, receive, bounded_send)
-        except _ClientStalled:
-            self._end.status = "client_stalled"
-            self._end.metrics.stalled.labels(self._end.meter.transport).inc()
-            log.warning("speech stream ended: the client took no audio for %g s", self._stall_timeout)
-        finally:
-            self._end()
-            await _close(self.body_iterator)
-
-
-async def _close(iterator) -> None:
-    """Finalize the body generator now (it may be suspended at a ``yield``); a no-op once it ended."""
-    try:
-        await iterator.aclose()
-    except Exception:  # noqa: BLE001 - its own cleanup already ran or failed; the stream is closed
-        pass
-
-
-async def _events(handle: StreamHandle, encoder: StreamEncoder, end: _StreamEnd):
+async def _events(handle: StreamHandle, encoder: StreamEncoder, end: StreamEnd):
     """(encoded bytes, final stats or None) per engine event; the final status goes to ``end``."""
     meter = end.meter
     seconds_per_frame = FRAME_SECONDS / encoder.speed        # what the client plays per frame
@@ -163,7 +104,7 @@ async def _events(handle: StreamHandle, encoder: StreamEncoder, end: _StreamEnd)
         end()
 
 
-async def _audio(handle, encoder, end: _StreamEnd):
+async def _audio(handle, encoder, end: StreamEnd):
     try:
         async for data, _ in _events(handle, encoder, end):
             if data:
@@ -172,7 +113,7 @@ async def _audio(handle, encoder, end: _StreamEnd):
         pass                                 # logged and counted by _events; the body just ends
 
 
-async def _sse(handle, encoder, meter, input_tokens: int, end: _StreamEnd):
+async def _sse(handle, encoder, meter, input_tokens: int, end: StreamEnd):
     try:
         async for data, stats in _events(handle, encoder, end):
             if data:
