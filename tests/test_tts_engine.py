@@ -177,7 +177,7 @@ def test_sampled_lengths_consistent_with_upstream(model):
     (["--text", "hi", "--temperature", "-0.5"], "temperature must be >= 0"),
     (["--text", "hi", "--top-p", "0"], "top_p must be in (0, 1]"),
     (["--text", "hi", "--top-p", "1.5"], "top_p must be in (0, 1]"),
-    (["--text", "hi", "--top-k", "-1"], "top_k must be an integer in 0..1048576"),
+    (["--text", "hi", "--top-k", "-1"], "--top-k: must be an integer in 0..1048576"),
     (["--text", "hi", "--top-k", "99999999999999999999"], "--top-k"),
     (["--text", "hi", "--max-text-chars", "0"], "--max-text-chars"),
     (["--text", "hi", "--repetition-penalty", "0"], "repetition_penalty must be > 0"),
