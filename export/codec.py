@@ -192,7 +192,6 @@ def _stage(gb: GraphBuilder, ckpt: Checkpoint, x: str, spec: StageSpec, frame_po
     pos = gb.op("Add", [gb.unsqueeze(pos0, [1]), gb.unsqueeze(gb.arange(n_new), [0])])          # [B, T]
     bias = _window_bias(gb, pos0, pos, spec.past_rows, spec.context)
     rope = _rotary_tables(gb, pos, spec)
-    new_rows = gb.const([spec.past_rows], np.int64), gb.const([np.iinfo(np.int64).max], np.int64)
     presents, delta = [], None
     for layer in range(spec.layers):
         lp = f"{p}.transformer.layers.{layer}"
@@ -209,9 +208,11 @@ def _stage(gb: GraphBuilder, ckpt: Checkpoint, x: str, spec: StageSpec, frame_po
             pk, pv = past_names(side, index, layer)
             gb.input(pk, FLOAT, ["batch", H, spec.past_rows, Dh])
             gb.input(pv, FLOAT, ["batch", H, spec.past_rows, Dh])
-            att, key, value = gb.op("MultiHeadAttention", [q, k, v, "", "", bias, pk, pv], n_out=3,
-                                    domain="com.microsoft", num_heads=H, scale=1.0 / math.sqrt(Dh))
-            presents += [gb.op("Slice", [t, *new_rows, gb.const([2], np.int64)]) for t in (key, value)]
+            # present outputs requested although unused: without them onnxruntime 1.32's CPU kernel ignores the
+            # past (measured: wrong audio)
+            att = gb.op("MultiHeadAttention", [q, k, v, "", "", bias, pk, pv], n_out=3, domain="com.microsoft",
+                        num_heads=H, scale=1.0 / math.sqrt(Dh))[0]
+            presents += [k, v]                                            # the new rows, [B, T, H*Dh]
             scale1, scale2 = get("layer_scale_1.scale"), get("layer_scale_2.scale")
             att = gb.linear(att, get("self_attn.out_projs.0.weight") * scale1[:, None], f"{lp}.self_attn.out_proj")
             h, x = _skip_layer_norm(gb, x, att, get("norm2.weight"), get("norm2.bias"), f"{lp}.norm2")
@@ -222,10 +223,11 @@ def _stage(gb: GraphBuilder, ckpt: Checkpoint, x: str, spec: StageSpec, frame_po
         x = gb.linear(x, ckpt.get(f"{p}.output_proj.weight"), f"{p}.output_proj")
     elif spec.output_dim != D:
         raise CheckpointError(f"missing tensor {p}.output_proj.weight")
-    # [k0, v0, k1, v1, ...] each [B, H, T, Dh] → [L, 2, B, H, T, Dh]
-    shape = gb.concat([gb.const([spec.layers, 2, -1, H], np.int64), gb.op("Shape", [presents[0]], start=2, end=3),
-                       gb.const([Dh], np.int64)], 0)
-    return x, gb.op("Reshape", [gb.concat(presents, 0), shape])
+    # [k0, v0, k1, v1, ...] each [B, T, H*Dh] → [L, 2, B, T, H, Dh] → [L, 2, B, H, T, Dh]: one reshape and one
+    # transpose per stage rather than per layer
+    shape = gb.concat([gb.const([spec.layers, 2, -1], np.int64), gb.op("Shape", [x], start=1, end=2),
+                       gb.const([H, Dh], np.int64)], 0)
+    return x, gb.transpose(gb.op("Reshape", [gb.concat(presents, 0), shape]), [0, 1, 2, 4, 3, 5])
 
 
 def _dequant_tables(ckpt: Checkpoint, spec: CodecSpec) -> np.ndarray:

@@ -357,13 +357,11 @@ class GraphBuilder:
         rot = self.concat([self.op("Neg", [x2]), x1], -1)
         return self.op("Add", [self.op("Mul", [x, cos]), self.op("Mul", [rot, sin])])
 
-    def gelu_erf(self, x: str) -> str:
-        """Exact GELU: ``0.5 x (1 + erf(x / sqrt 2))``."""
-        e = self.op("Erf", [self.op("Div", [x, self.const(np.sqrt(2.0))])])
-        return self.op("Mul", [self.op("Mul", [x, self.const(0.5)]), self.op("Add", [e, self.const(1.0)])])
-
     def silu(self, x: str) -> str:
-        return self.op("Mul", [x, self.op("Sigmoid", [x])])
+        """``x * sigmoid(x)`` as one ``com.microsoft.QuickGelu`` (alpha 1): the node onnxruntime's own fusion
+        makes of Mul(x, Sigmoid(x)) at load (same kernel, same numbers), written out so the graph file says
+        what runs; CPU kernels for float32/float16, CUDA for float32/float16/bfloat16."""
+        return self.op("QuickGelu", [x], domain="com.microsoft", alpha=1.0)
 
     def reshape(self, x: str, shape: Sequence[int]) -> str:
         return self.op("Reshape", [x, self.const(list(shape), np.int64)])
@@ -395,13 +393,6 @@ class GraphBuilder:
     def dim(self, x: str, axis: int) -> str:
         """Scalar int64 size of ``x`` along ``axis``."""
         return self.squeeze(self.op("Shape", [x], start=axis, end=axis + 1), [0])
-
-    def attention(self, q: str, k: str, v: str, bias: str, scale: float) -> str:
-        """``softmax(q k^T * scale + bias) v`` over [B, H, T, D] tensors (k, v may have fewer heads: GQA
-        is expanded by the caller)."""
-        scores = self.op("MatMul", [q, self.transpose(k, [0, 1, 3, 2])])
-        scores = self.op("Add", [self.op("Mul", [scores, self.const(scale)]), bias])
-        return self.op("MatMul", [self.op("Softmax", [scores], axis=-1), v])
 
     # ------------------------------------------------------------------ save
     def save(self, doc: str = "") -> onnx.ModelProto:

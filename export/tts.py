@@ -380,7 +380,8 @@ class SamplerRows:
     penalty: str       # repetition penalty
     temperature: str   # <= 0 counts as 1 (greedy rows)
     kth: str           # int64 index of the k-th largest logit in an ascending sort: V - k (0 keeps all)
-    cut: str           # top-p: drop where the ascending cumulative probability <= cut (-1: top-p off)
+    cut: str           # [B, 1, V] top-p: drop where the ascending cumulative probability <= cut (-1: top-p
+                       # off; -1 at the last, largest entry too: the max is always kept)
 
 
 def sampler_rows(gb: GraphBuilder, penalty: str, temperature: str, top_k: str, top_p: str, vocab: int,
@@ -397,7 +398,8 @@ def sampler_rows(gb: GraphBuilder, penalty: str, temperature: str, top_k: str, t
         temp = gb.op("Where", [gb.op("Greater", [temperature, gb.const(0.0)]), temperature, gb.const(1.0)])
         cut = gb.op("Where", [gb.op("Less", [top_p, gb.const(1.0)]), gb.op("Sub", [gb.const(1.0), top_p]),
                               gb.const(-1.0)])
-        return SamplerRows(penalty=row(penalty), temperature=row(temp), kth=kth, cut=row(cut))
+        cut = gb.op("Where", [gb.const(np.arange(V) < V - 1, np.bool_), row(cut), gb.const(-1.0)])
+        return SamplerRows(penalty=row(penalty), temperature=row(temp), kth=kth, cut=cut)
 
 
 def history_marks(gb: GraphBuilder, history: str, vocab: int) -> str:
@@ -444,8 +446,7 @@ def filter_logits(gb: GraphBuilder, logits: str, seen: str, rows: SamplerRows, v
         # HF TopPLogitsWarper: the -inf entries sort first and add exact zeros to the cumulative sum
         cum = gb.cast(gb.op("CumSum", [gb.cast(gb.op("Softmax", [asc], axis=-1), DOUBLE), gb.const(-1, np.int64)]),
                       FLOAT)
-        not_max = gb.const(np.arange(vocab) < vocab - 1, np.bool_)                          # always keep the max
-        drop = gb.op("And", [gb.op("LessOrEqual", [cum, rows.cut]), not_max])
+        drop = gb.op("LessOrEqual", [cum, rows.cut])
         # back to id order: ``order`` is a permutation, so every entry of ``scaled`` is overwritten
         filtered = gb.op("ScatterElements", [scaled, order, gb.op("Where", [drop, neg_inf, asc])], axis=-1)
         probs = gb.op("Softmax", [filtered], axis=-1)
@@ -498,12 +499,12 @@ class DepthLayer(Layer):
 
     def __init__(self, gb: GraphBuilder, ckpt: Checkpoint, spec: StackSpec, index: int):
         super().__init__(gb, ckpt, spec, index)
-        get = lambda n: ckpt.get(f"{self.name}.self_attn.{n}.weight")
         ones = np.ones(spec.head_dim, np.float32)
-        heads = [get("q_norm")] * spec.heads + [get("k_norm")] * spec.kv_heads + [ones] * spec.kv_heads
-        # a norm table: in the compute dtype as the norm vectors are (gb.weight would store it as a weight)
-        self.qk_norm = gb.tensor(f"{self.name}.self_attn.qk_norm.weight", np.stack(heads).astype(gb.compute_dtype))
         self.unit = gb.weight(f"{self.name}.self_attn.qk_norm.unit", ones)
+        with gb.scope(f"{self.name}.self_attn.qk_norm"):   # [H + 2KV, D]: q_norm per q head, k_norm per k head, 1 for v
+            self.qk_norm = gb.concat([gb.op("Expand", [self.q_norm, gb.const([spec.heads, 1], np.int64)]),
+                                      gb.op("Expand", [self.k_norm, gb.const([spec.kv_heads, 1], np.int64)]),
+                                      gb.const(np.ones((spec.kv_heads, spec.head_dim)))], 0)
 
     def attend(self, gb: GraphBuilder, h: str, past: tuple[str, str] | None, seqlens: str, total: int,
                rope: str, values: str) -> tuple[str, tuple[str, str]]:

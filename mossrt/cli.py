@@ -69,8 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="codec weight storage (default: --dtype if fp32/fp16, else fp32)")
     # compute dtype: independent of how weights are stored (--dtype)
     e.add_argument("--compute-dtype", default="fp32", choices=["fp32", "fp16", "bf16"],
-                   help="what the TTS backbone computes in and keeps its KV in: fp32 (CPU), fp16 (CPU or "
-                        "CUDA: half the KV bytes), bf16 (CUDA only)")
+                   help="what the TTS backbone and depth transformer compute in (and the backbone keeps its KV "
+                        "in): fp32 (CPU), fp16 (CPU or CUDA: half the KV bytes), bf16 (CUDA only)")
     e.set_defaults(func=c.cmd_export)
 
     v = sub.add_parser("verify", help="check every file of a bundle against its manifest's sha256")

@@ -26,7 +26,7 @@ def test_manifest_lists_graphs_and_hashes(codec_bundle_dir, tmp_path):
     import hashlib
 
     m = json.loads((codec_bundle_dir / "manifest.json").read_text())
-    assert m["format"] == "mossrt-bundle" and m["format_version"] == 2
+    assert m["format"] == "mossrt-bundle" and m["format_version"] == 3
     assert set(m["graphs"]) >= {"codec_encoder", "codec_decoder"}
     dec = m["graphs"]["codec_decoder"]
     names = [i["name"] for i in dec["inputs"]]
