@@ -1,8 +1,9 @@
-"""Exact streaming decode of many codec streams at once (the codec decoder's step graph + host rings)."""
+"""Exact streaming decode of many codec streams at once (the codec decoder's step graph + device rings)."""
 
 from __future__ import annotations
 
 import time
+from collections import Counter
 
 import numpy as np
 
@@ -27,10 +28,12 @@ class StreamingDecoder:
         self.codec = codec
         self.slots = int(slots)
         self.n_quantizers = codec.check_n_quantizers(n_quantizers)
-        self.state = RingState("decoder", codec.decoder_stages, self.slots)
+        self.state = RingState("decoder", codec.decoder_stages, self.slots, codec.bundle.device,
+                               codec.bundle.providers)
         self._session = codec.bundle.session("codec_decoder")
         self._nq = np.array(self.n_quantizers, np.int64)
         self.timing = CallTiming()
+        self.call_shapes: Counter[tuple[int, int]] = Counter()   # (streams, frames) of every call
 
     @property
     def frame_positions(self) -> np.ndarray:
@@ -59,17 +62,17 @@ class StreamingDecoder:
         binding = self._session.io_binding()
         binding.bind_cpu_input("codes", codes)
         binding.bind_cpu_input("n_quantizers", self._nq)
-        self.state.bind(binding, n)
-        for name in ["audio"] + self.state.output_names():
-            binding.bind_output(name, "cpu")
+        binding.bind_output("audio", "cpu")   # first bound: get_outputs()[0]
+        self.state.bind(binding, n, N)
         t1 = time.perf_counter()
         self._session.run_with_iobinding(binding)
         t2 = time.perf_counter()
-        audio, *presents = [v.numpy() for v in binding.get_outputs()]
+        audio = binding.get_outputs()[0].numpy()
         real = frames > 0
         if not np.isfinite(audio[real]).all():
             raise GraphError("the codec decoder produced NaN/Inf audio (damaged bundle?)")
-        self.state.advance(presents, frames)
+        self.state.advance(n, frames, N)
+        self.call_shapes[(n, N)] += 1
         self.timing.add(time.perf_counter() - t0, t2 - t1)
         return audio
 
