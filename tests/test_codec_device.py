@@ -30,6 +30,25 @@ def test_a_moved_stream_continues_exactly(codec):
     np.testing.assert_allclose(audio, solo, atol=tolerance(solo), rtol=0)
 
 
+def test_a_rider_past_the_window_keeps_its_rings(codec):
+    """A stream that rides along (0 frames) once its position is past every stage's window keeps its rows:
+    its call's new rows go to the scratch slot, not over ring rows its next queries still see."""
+    codes = long_codes(codec)
+    assert codes.shape[0] > max(s.rows // s.tokens_per_frame for s in codec.decoder_stages) + 6
+    dec = codec.streaming_decoder(slots=2, n_quantizers=16)
+    plan = [(130, 0), (0, 6), (17, 0)]                     # (stream 0, stream 1) real frames per call
+    parts, pos = [], 0
+    for counts in plan:
+        n = max(counts)
+        batch = np.zeros((2, n, codec.num_quantizers), np.int64)
+        batch[0, :counts[0]] = codes[pos:pos + counts[0]]
+        batch[1, :counts[1]] = codes[:counts[1]]
+        parts.append(dec.decode_checked(batch, np.array(counts))[0, :counts[0] * 1920])
+        pos += counts[0]
+    solo = codec.decode(codes[:pos], 16)
+    np.testing.assert_allclose(np.concatenate(parts), solo, atol=tolerance(solo), rtol=0)
+
+
 def test_device_buffers_are_fixed_after_warm_up(codec):
     """Once each call size has run, no call allocates device memory: the rings and the new-row buffers keep
     their addresses, whatever the streams' positions and frame counts."""
