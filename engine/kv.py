@@ -100,8 +100,9 @@ class RingState:
     (``present``) go to a device buffer, and :meth:`advance` then scatters them into the rings with one
     small in-place graph, after the call's attention has read the rings: written inside the decode,
     nothing would order a write after the reads of an earlier query whose window still holds that row.
-    Riders (0 frames) and rows that fall out of the window write to the scratch slot. Only the codes, the
-    positions and frame counts (8 bytes per stream each) go up and the audio comes down.
+    Riders (0 frames) and rows that fall out of the window write to the scratch slot. The frame positions
+    are device memory too, moved on by an in-place add after the write. Only the codes and the frame
+    counts (8 bytes per stream) go up and the audio comes down.
     """
 
     def __init__(self, side: str, stages: list[RingStage], slots: int, device: str = "cpu",
@@ -115,9 +116,14 @@ class RingState:
         for ring in self.rings:
             zero(ring)          # masked rows are read with probability 0: never-written memory must not be NaN
         self._presents: list[DeviceTensor | None] = [None] * len(stages)    # grown to the largest call
+        # frame positions on the device (the graphs read them there); the host keeps a mirror it never
+        # uploads, for frame_positions and for moves
+        self.positions = ort.OrtValue.ortvalue_from_shape_and_type([slots + 1], TensorProto.INT64, device, 0)
         self.frame_pos = np.zeros(slots, np.int64)
-        self._frame_pos_values: dict[int, ort.OrtValue] = {}
+        self._frames = np.zeros(slots, np.int64)          # the host buffer a call's frame counts go up from
+        self.generation = 0                               # bumped when a call buffer is reallocated
         self._writer = _RingWriter(stages, slots, providers)
+        self._writer.set_positions(self, np.arange(slots + 1), np.zeros(slots + 1, np.int64))
 
     @staticmethod
     def bytes_per_stream(stages: list[RingStage]) -> int:
@@ -126,6 +132,10 @@ class RingState:
     @property
     def nbytes_per_stream(self) -> int:
         return self.bytes_per_stream(self.stages)
+
+    def bind_positions(self, bind, name: str, n: int) -> None:
+        """Bind the device positions of streams ``0..n-1`` (``bind``: a binding's bind_input/bind_output)."""
+        bind(name, self.device, 0, TensorProto.INT64, [n], self.positions.data_ptr())
 
     def device_buffers(self) -> list[tuple[int, int]]:
         """(address, bytes) of every device buffer the state holds: fixed once each call size has run."""
@@ -140,44 +150,53 @@ class RingState:
         s = self.stages[si]
         return [s.layers, 2, n, s.heads, frames * s.tokens_per_frame, s.head_dim]
 
+    def prepare(self, n: int, frames: int) -> None:
+        """Make the new-row buffers large enough for a call of ``n`` streams and ``frames`` frames; growing
+        one bumps :attr:`generation` (bindings made before point at freed memory)."""
+        for si in range(len(self.stages)):
+            size = int(np.prod(self.present_shape(si, n, frames)))
+            present = self._presents[si]
+            if present is None or int(np.prod(present.shape)) < size:
+                self._presents[si] = DeviceTensor((size,), self.device)
+                self.generation += 1
+
     def bind(self, binding: ort.IOBinding, n: int, frames: int) -> None:
         """Bind the rings and frame positions of streams ``0..n-1`` and the device buffers that receive a
         ``frames``-frame call's new rows (allocated when a call is larger than any before)."""
-        if n not in self._frame_pos_values:
-            self._frame_pos_values[n] = ort.OrtValue.ortvalue_from_numpy(self.frame_pos[:n])
-        binding.bind_ortvalue_input("frame_pos", self._frame_pos_values[n])
+        self.prepare(n, frames)
+        self.bind_positions(binding.bind_input, "frame_pos", n)
         for si, (stage, ring) in enumerate(zip(self.stages, self.rings)):
             for layer in range(stage.layers):
                 for kv, kind in ((0, "key"), (1, "value")):
                     ring.bind_input(binding, f"{self.side}.past_{kind}.{si}.{layer}",
                                     (2 * layer + kv) * (self.slots + 1), n)
-            shape = self.present_shape(si, n, frames)
-            present = self._presents[si]
-            if present is None or int(np.prod(present.shape)) < int(np.prod(shape)):
-                present = self._presents[si] = DeviceTensor((int(np.prod(shape)),), self.device)
-            present.bind_shaped(binding.bind_output, f"{self.side}.present.{si}", shape)
+            self._presents[si].bind_shaped(binding.bind_output, f"{self.side}.present.{si}",
+                                           self.present_shape(si, n, frames))
 
     def advance(self, n: int, frames: np.ndarray, call_frames: int) -> None:
         """After a call bound with :meth:`bind` (``n`` streams, ``call_frames`` frames) ran: write each stream's
         first ``frames[b]`` frames of new rows into its ring (on the device) and move its position on;
         streams with 0 frames (riders) are untouched."""
-        frames = np.ascontiguousarray(frames, np.int64)
-        self._writer.write(self, n, frames, call_frames)
-        self.frame_pos[:n] += frames
+        self._frames[:n] = frames
+        self._writer.write(self, n, call_frames)
+        self.frame_pos[:n] += self._frames[:n]
 
     def reset(self, index: int | None = None) -> None:
         """Start stream ``index`` (all when None) afresh at frame 0. Ring rows need no clearing: the graph
         masks every slot a position-0 stream has not written."""
-        if index is None:
-            self.frame_pos[:] = 0
-        else:
-            self.frame_pos[index] = 0
+        index_ = np.arange(self.slots) if index is None else np.array([index])
+        self._writer.set_positions(self, index_, np.zeros(len(index_), np.int64))
+        self.frame_pos[index_] = 0
 
     def move(self, src: int, dst: int) -> None:
         """Move stream ``src``'s state into slot ``dst`` (its rings on the device)."""
         self._writer.move(self, src, dst)
+        self._writer.set_positions(self, np.array([dst, src]), np.array([self.frame_pos[src], 0]))
         self.frame_pos[dst] = self.frame_pos[src]
         self.frame_pos[src] = 0
+
+
+MAX_CACHED_SHAPES = 64     # call shapes whose bindings are kept (the runner uses a handful)
 
 
 class _RingWriter:
@@ -255,18 +274,54 @@ class _RingWriter:
             [block(f"src.{si}.{i}", stages[si]) for si, i in blocks],
             [block(f"dst.{si}.{i}", stages[si]) for si, i in blocks]), opts, providers=providers)
         self._blocks, self._slots = blocks, slots
+        self._bound: dict[tuple[int, int], tuple[int, ort.IOBinding, ort.IOBinding]] = {}
+        vec = lambda name, dim: helper.make_tensor_value_info(name, i64, [dim])
+        self._advance = ort.InferenceSession(_graph(
+            "positions_advance", [node("Add", ["pos", "frames"], ["next"])],
+            [vec("pos", "n"), vec("frames", "n")], [vec("next", "n")]), opts, providers=providers)
+        self._set = ort.InferenceSession(_graph(
+            "positions_set", [node("ScatterElements", ["pos", "index", "values"], ["out"], axis=0)],
+            [vec("pos", slots + 1), vec("index", "k"), vec("values", "k")], [vec("out", slots + 1)]),
+            opts, providers=providers)
 
-    def write(self, state: RingState, n: int, frames: np.ndarray, call_frames: int) -> None:
-        binding = self._write.io_binding()
-        binding.bind_cpu_input("frame_pos", state.frame_pos[:n])
-        binding.bind_cpu_input("frames", frames)
-        for si, ring in enumerate(state.rings):
-            full = state._ring_shape(si, self._slots + 1)
-            ring.bind_shaped(binding.bind_input, f"stage{si}.ring", full)
-            ring.bind_shaped(binding.bind_output, f"stage{si}.out", full)         # in place
-            state._presents[si].bind_shaped(binding.bind_input, f"stage{si}.present",
-                                            state.present_shape(si, n, call_frames))
-        self._write.run_with_iobinding(binding)
+    def write(self, state: RingState, n: int, call_frames: int) -> None:
+        """Rows of the call just run (``n`` streams, ``call_frames`` frames; counts in ``state._frames``) into
+        the rings, then the positions on. The bindings are made once per call shape (fixed addresses:
+        only the frame counts' host buffer changes between calls)."""
+        key = (n, call_frames)
+        cached = self._bound.get(key)
+        if cached is None or cached[0] != state.generation:
+            if len(self._bound) > MAX_CACHED_SHAPES:
+                self._bound.clear()
+            frames = lambda binding, name: binding.bind_input(name, "cpu", 0, TensorProto.INT64, [n],
+                                                              state._frames.ctypes.data)
+            write = self._write.io_binding()
+            state.bind_positions(write.bind_input, "frame_pos", n)
+            frames(write, "frames")
+            for si, ring in enumerate(state.rings):
+                full = state._ring_shape(si, self._slots + 1)
+                ring.bind_shaped(write.bind_input, f"stage{si}.ring", full)
+                ring.bind_shaped(write.bind_output, f"stage{si}.out", full)         # in place
+                state._presents[si].bind_shaped(write.bind_input, f"stage{si}.present",
+                                                state.present_shape(si, n, call_frames))
+            # the positions move on in a graph of their own: an in-place add inside the write graph would
+            # be unordered against the write's reads of the old positions
+            advance = self._advance.io_binding()
+            state.bind_positions(advance.bind_input, "pos", n)
+            frames(advance, "frames")
+            state.bind_positions(advance.bind_output, "next", n)
+            cached = self._bound[key] = (state.generation, write, advance)
+        self._write.run_with_iobinding(cached[1])
+        self._advance.run_with_iobinding(cached[2])
+
+    def set_positions(self, state: RingState, index: np.ndarray, values: np.ndarray) -> None:
+        """Device positions ``index`` (slots, the scratch slot included) := ``values``, in place."""
+        binding = self._set.io_binding()
+        state.bind_positions(binding.bind_input, "pos", self._slots + 1)
+        binding.bind_cpu_input("index", np.ascontiguousarray(index, np.int64))
+        binding.bind_cpu_input("values", np.ascontiguousarray(values, np.int64))
+        state.bind_positions(binding.bind_output, "out", self._slots + 1)
+        self._set.run_with_iobinding(binding)
 
     def move(self, state: RingState, src: int, dst: int) -> None:
         binding = self._copy.io_binding()

@@ -24,6 +24,7 @@ def test_a_moved_stream_continues_exactly(codec):
     first = dec.decode_checked(batch, np.array([7, 0, 7]))   # slot 0: another stream, which then leaves
     dec.move(2, 0)
     assert list(dec.frame_positions) == [7, 0, 0]
+    assert list(dec.state.positions.numpy()[:3]) == [7, 0, 0]      # the graphs' own copy, on the device
     rest = dec.decode_checked(codes[None, 7:20])          # now the only stream: a call of one slot
     audio = np.concatenate([first[2], rest[0]])
     solo = codec.decode(codes[:20], 16)
