@@ -102,19 +102,18 @@ class Codec:
         padded = np.zeros(total * hop, np.float32)
         padded[: x.size] = x
         sess = self.bundle.session("codec_encoder")
-        state = RingState("encoder", self.encoder_stages, 1)
+        state = RingState("encoder", self.encoder_stages, 1, self.bundle.device, self.bundle.providers)
         out = []
         for f0 in range(0, total, chunk_frames):
             n = min(chunk_frames, total - f0)
             binding = sess.io_binding()
             binding.bind_cpu_input("waveform", padded[None, f0 * hop:(f0 + n) * hop])
             binding.bind_cpu_input("valid_frames", np.array([min(max(full - f0, 0), n)], np.int64))
-            state.bind(binding, 1)
-            for name in ["codes"] + state.output_names():
-                binding.bind_output(name, "cpu")
+            binding.bind_output("codes", "cpu")   # first bound: get_outputs()[0]
+            state.bind(binding, 1, n)
             sess.run_with_iobinding(binding)
-            codes, *presents = [v.numpy() for v in binding.get_outputs()]
-            state.advance(presents, np.array([n], np.int64))
+            codes = binding.get_outputs()[0].numpy()
+            state.advance(1, np.array([n], np.int64), n)
             out.append(codes[0])
         return np.concatenate(out, 0)
 

@@ -1,13 +1,15 @@
-"""Exact streaming decode of many codec streams at once (the codec decoder's step graph + host rings)."""
+"""Exact streaming decode of many codec streams at once (the codec decoder's step graph + device rings)."""
 
 from __future__ import annotations
 
 import time
+from collections import Counter
 
 import numpy as np
+from onnx import TensorProto
 
 from .errors import GraphError, InputError
-from .kv import RingState
+from .kv import MAX_CACHED_SHAPES, RingState
 from .timing import CallTiming
 
 
@@ -27,10 +29,13 @@ class StreamingDecoder:
         self.codec = codec
         self.slots = int(slots)
         self.n_quantizers = codec.check_n_quantizers(n_quantizers)
-        self.state = RingState("decoder", codec.decoder_stages, self.slots)
+        self.state = RingState("decoder", codec.decoder_stages, self.slots, codec.bundle.device,
+                               codec.bundle.providers)
         self._session = codec.bundle.session("codec_decoder")
         self._nq = np.array(self.n_quantizers, np.int64)
         self.timing = CallTiming()
+        self.call_shapes: Counter[tuple[int, int]] = Counter()   # (streams, frames) of every call
+        self._calls: dict[tuple[int, int], tuple] = {}            # per call shape: its fixed binding
 
     @property
     def frame_positions(self) -> np.ndarray:
@@ -56,22 +61,37 @@ class StreamingDecoder:
         t0 = time.perf_counter()
         n, N = codes.shape[0], codes.shape[1]
         frames = np.full(n, N, np.int64) if frames is None else np.asarray(frames, np.int64)
-        binding = self._session.io_binding()
-        binding.bind_cpu_input("codes", codes)
-        binding.bind_cpu_input("n_quantizers", self._nq)
-        self.state.bind(binding, n)
-        for name in ["audio"] + self.state.output_names():
-            binding.bind_output(name, "cpu")
+        binding, codes_in, audio_out = self._call(n, N)
+        codes_in[...] = codes
         t1 = time.perf_counter()
         self._session.run_with_iobinding(binding)
         t2 = time.perf_counter()
-        audio, *presents = [v.numpy() for v in binding.get_outputs()]
+        audio = audio_out.copy()              # the buffer is the next call's too
         real = frames > 0
         if not np.isfinite(audio[real]).all():
             raise GraphError("the codec decoder produced NaN/Inf audio (damaged bundle?)")
-        self.state.advance(presents, frames)
+        self.state.advance(n, frames, N)
+        self.call_shapes[(n, N)] += 1
         self.timing.add(time.perf_counter() - t0, t2 - t1)
         return audio
+
+    def _call(self, n: int, N: int) -> tuple:
+        """(binding, codes buffer, audio buffer) of a call shape, made once (and again after the state's
+        call buffers grew): every input and output at a fixed address, so a call only fills the codes."""
+        self.state.prepare(n, N)
+        cached = self._calls.get((n, N))
+        if cached is None or cached[0] != self.state.generation:
+            if len(self._calls) > MAX_CACHED_SHAPES:
+                self._calls.clear()
+            codes = np.zeros((n, N, self.codec.num_quantizers), np.int64)
+            audio = np.empty((n, N * self.codec.samples_per_frame), np.float32)
+            binding = self._session.io_binding()
+            binding.bind_input("codes", "cpu", 0, TensorProto.INT64, list(codes.shape), codes.ctypes.data)
+            binding.bind_input("n_quantizers", "cpu", 0, TensorProto.INT64, [], self._nq.ctypes.data)
+            binding.bind_output("audio", "cpu", 0, TensorProto.FLOAT, list(audio.shape), audio.ctypes.data)
+            self.state.bind(binding, n, N)
+            cached = self._calls[(n, N)] = (self.state.generation, binding, codes, audio)
+        return cached[1:]
 
     def reset(self, index: int | None = None) -> None:
         """Start stream ``index`` (every stream when None) afresh at frame 0."""

@@ -50,6 +50,13 @@ class DeviceTensor:
         ptr, shape = self.view(start, count)
         binding.bind_output(name, self.device, 0, ELEMENT[self.dtype], shape, ptr)
 
+    def bind_shaped(self, bind, name: str, shape: list[int]) -> None:
+        """Bind the tensor's first ``prod(shape)`` elements as ``shape`` (``bind`` is a binding's
+        ``bind_input`` or ``bind_output``): one buffer serves calls of any size up to its own."""
+        if int(np.prod(shape)) > int(np.prod(self.shape)):
+            raise ValueError(f"shape {shape} does not fit a device tensor of shape {list(self.shape)}")
+        bind(name, self.device, 0, ELEMENT[self.dtype], list(shape), self.value.data_ptr())
+
 
 def _graph(name: str, nodes, inputs, outputs) -> bytes:
     model = helper.make_model(helper.make_graph(nodes, name, inputs, outputs),
@@ -57,6 +64,33 @@ def _graph(name: str, nodes, inputs, outputs) -> bytes:
     model.ir_version = 9
     onnx.checker.check_model(model)
     return model.SerializeToString()
+
+
+class ZeroFill:
+    """Sets device tensors to zero in place (ConstantOfShape written into their memory). Fresh device
+    memory is uninitialised, and attention masks a key by giving it probability 0: 0 × a NaN left in a
+    never-written row is still NaN, so KV memory that masked reads may touch is zeroed once at allocation."""
+
+    def __init__(self, providers: list[str]):
+        self._sessions: dict[tuple[np.dtype, int], ort.InferenceSession] = {}   # per (dtype, rank)
+        self._providers = providers
+
+    def __call__(self, tensor: DeviceTensor) -> None:
+        key = (tensor.dtype, len(tensor.shape))
+        if key not in self._sessions:
+            shape = helper.make_tensor_value_info("shape", TensorProto.INT64, ["rank"])
+            out = helper.make_tensor_value_info("zeros", ELEMENT[tensor.dtype], [f"d{i}" for i in range(len(tensor.shape))])
+            node = helper.make_node("ConstantOfShape", ["shape"], ["zeros"],
+                                    value=helper.make_tensor("zero", ELEMENT[tensor.dtype], [1], [0]))
+            opts = ort.SessionOptions()
+            opts.log_severity_level = 3
+            self._sessions[key] = ort.InferenceSession(_graph("zero_fill", [node], [shape], [out]), opts,
+                                                                providers=self._providers)
+        session = self._sessions[key]
+        binding = session.io_binding()
+        binding.bind_cpu_input("shape", np.array(tensor.shape, np.int64))
+        tensor.bind_shaped(binding.bind_output, "zeros", list(tensor.shape))
+        session.run_with_iobinding(binding)
 
 
 class SlotRows:

@@ -106,6 +106,9 @@ class StepRunner:
                 raise InputError(f"{name} must be an integer >= 1, got {v!r}")
         self.model = model
         self.codec_schedule = tuple(model.codec.check_chunk_sizes(codec_schedule))
+        # the only frame counts a codec call takes (fixed shapes per batch): the schedule's sizes and 1, so
+        # any due count splits into them (see codec_call_frames)
+        self.codec_call_sizes = tuple(sorted(set(self.codec_schedule) | {1}))
         self.slots = slots
         self.max_context_rows = max_context_rows
         self.prefill_chunk_rows = prefill_chunk_rows
@@ -377,11 +380,18 @@ class StepRunner:
                 for turn, stats in e.stream.take_finished():
                     result.turn_ends.append((e.stream, turn, stats))
 
+    def codec_call_frames(self, wanted: int) -> int:
+        """Frames of the next codec call when ``wanted`` are due: the largest allowed size not above it; the
+        rest stays pending for the next tick (one call per tick, so a failed call is retried whole)."""
+        return max(n for n in self.codec_call_sizes if n <= wanted)
+
     def _decode(self, due: list[tuple[_Entry, list[Frame]]], result: TickResult) -> None:
+        size = self.codec_call_frames(max(len(fs) for _, fs in due))
+        due = [(e, fs[:size]) for e, fs in due]
+
         def run(group: list[tuple[_Entry, list[Frame]]]) -> list[np.ndarray]:
             hi = max(e.slot for e, _ in group) + 1
-            n = max(len(fs) for _, fs in group)
-            codes = np.zeros((hi, n, self.model.codec.num_quantizers), np.int64)
+            codes = np.zeros((hi, size, self.model.codec.num_quantizers), np.int64)
             count = np.zeros(hi, np.int64)
             for e, fs in group:
                 for i, f in enumerate(fs):
