@@ -296,3 +296,36 @@ def test_serve_auto_says_what_it_picked(tmp_path, full_bundle_dir):
         reason = "auto: cpu, because onnxruntime has no CUDA provider here"
         assert body["device"] == "cpu" and body["device_reason"] == reason, body
         assert f"device cpu: {reason}" in server.log()
+
+
+def test_runtime_helper_graphs_place_on_cuda(monkeypatch, full_bundle_dir):
+    """The small graphs the engine builds at run time (KV slot writes, copies and reads, zero fills, the
+    codec rings' in-place write, move and position updates) have a kernel for every node on CUDA too: they
+    are not in the bundle, so the load-time check never sees them. (Their row counts may come from data:
+    they run between steps, never inside a captured one.)"""
+    import engine.device
+    import engine.kv
+    from engine.bundle import Bundle
+    from engine.generate import generate, synthesize
+    from engine.tts import TTSModel
+
+    built: dict[str, bytes] = {}
+    real = engine.device._graph
+
+    def recording(name, nodes, inputs, outputs):
+        built[name] = real(name, nodes, inputs, outputs)
+        return built[name]
+
+    monkeypatch.setattr(engine.device, "_graph", recording)
+    monkeypatch.setattr(engine.kv, "_graph", recording)
+    model = TTSModel(Bundle(full_bundle_dir, device="cpu"))
+    gen = generate(model, text="Hello there.", max_frames=4, params=model.default_sampling(greedy=True))
+    assert synthesize(model, gen).size > 0
+    codec = model.codec
+    dec = codec.streaming_decoder(slots=2, n_quantizers=16)
+    dec.move(1, 0)
+    assert {"slot_write", "slot_copy", "slot_read", "zero_fill", "ring_write"} <= set(built), sorted(built)
+    for name, data in built.items():
+        graph = onnx.load_from_string(data)
+        assert [f for f in unplaced(graph, "cuda") if f.kind == NO_KERNEL] == [], name
+        assert unplaced(graph, "cpu") == [], name
