@@ -6,10 +6,12 @@ A :class:`TTSModel` holds no per-stream state: it may be shared by every thread 
 
 from __future__ import annotations
 
+import threading
 import time
 
 import numpy as np
 
+from .buckets import BucketBuffers
 from .bundle import Bundle
 from .codec import Codec
 from .device import KV_DTYPES
@@ -28,6 +30,9 @@ def check_compute_dtype(compute_dtype: str, device: str) -> None:
     if compute_dtype == "bf16" and device != "cuda":
         raise BundleError("this bundle computes in bf16, which runs on the CUDA provider only: use --device cuda, "
                           "or export with --compute-dtype fp16 (or fp32) for CPU")
+
+
+NON_FINITE_LOGITS = "the depth graph produced NaN/Inf logits (damaged bundle?)"
 
 
 class TTSModel:
@@ -54,6 +59,20 @@ class TTSModel:
         self.sampling_defaults = gen.sampling_defaults.model_dump()
         self._backbone = bundle.session("backbone")
         self._depth = bundle.session("depth")
+        if "finite" not in {o.name for o in self._depth.get_outputs()}:
+            raise BundleError(f"{bundle.dir}: the depth graph has no 'finite' output (an older export): re-export "
+                              "the bundle")
+        # one graph call at a time per model: a runner's scheduler thread and a StreamingSession or synth in
+        # another thread share these sessions, and a CUDA-graph session must never run concurrently
+        self.graph_lock = threading.Lock()
+
+    @property
+    def backbone_session(self):
+        return self._backbone
+
+    @property
+    def depth_session(self):
+        return self._depth
 
     def default_sampling(self, **overrides) -> SamplingParams:
         return SamplingParams.from_defaults(self.sampling_defaults, **overrides)
@@ -103,7 +122,8 @@ class TTSModel:
         binding.bind_cpu_input("total_sequence_length", np.array(pool.capacity, np.int32))
         pool.bind(binding, lo, hi)
         t1 = time.perf_counter()
-        self._backbone.run_with_iobinding(binding)
+        with self.graph_lock:
+            self._backbone.run_with_iobinding(binding)
         t2 = time.perf_counter()
         hidden = binding.get_outputs()[0].numpy()
         if timing is not None:
@@ -131,10 +151,48 @@ class TTSModel:
             "uniform": np.ascontiguousarray(uniform, dtype=np.float32),
         }
         t1 = time.perf_counter()
-        codes, logits = self._depth.run(["codes", "logits"], feeds)
+        with self.graph_lock:
+            codes, finite = self._depth.run(["codes", "finite"], feeds)
         t2 = time.perf_counter()
-        if not np.isfinite(logits).all():
-            raise GraphError("the depth graph produced NaN/Inf logits (damaged bundle?)")
+        if not finite.all():
+            raise GraphError(NON_FINITE_LOGITS)
         if timing is not None:
             timing.add(time.perf_counter() - t0, t2 - t1)
         return codes
+
+    # ------------------------------------------------------------------ bucketed step calls
+    def step_buffers(self, bucket: int, pool: BackboneKVPool, stats) -> BucketBuffers:
+        """The fixed-address buffers and bindings of one batch bucket over ``pool``'s slots ``0..bucket-1``."""
+        return BucketBuffers(bucket, self, pool, stats)
+
+    def run_step(self, bufs: BucketBuffers, timing: CallTiming | None = None, run_options=None) -> None:
+        """The backbone step over the bucket's staged ``grid``/``positions``/``seqlens`` (host arrays, copied
+        to its device buffers here); the rows' hidden states stay in ``bufs.hidden`` on the device."""
+        t0 = time.perf_counter()
+        for buf in (bufs.grid, bufs.positions, bufs.seqlens):
+            buf.upload()
+        t1 = time.perf_counter()
+        with self.graph_lock:
+            self._backbone.run_with_iobinding(bufs.backbone, run_options)
+        t2 = time.perf_counter()
+        if timing is not None:
+            timing.add(t2 - t0, t2 - t1)
+
+    def run_bucket_depth(self, bufs: BucketBuffers, window: int, timing: CallTiming | None = None,
+                         run_options=None) -> tuple[np.ndarray, np.ndarray]:
+        """The depth call over ``bufs.hidden`` with the staged sampler inputs and history of bound ``window``;
+        returns host copies of ``codes`` [B, 16] and ``finite`` [B] (nothing else comes back)."""
+        t0 = time.perf_counter()
+        binding, history = bufs.depth_binding(window)
+        history.upload()
+        for buf in bufs.sampler.values():
+            buf.upload()
+        t1 = time.perf_counter()
+        with self.graph_lock:
+            self._depth.run_with_iobinding(binding, run_options)
+        t2 = time.perf_counter()
+        # copies: on CPU numpy() is a view of the buffer, which the next call overwrites
+        codes, finite = bufs.codes.value.numpy().copy(), bufs.finite.value.numpy().copy()
+        if timing is not None:
+            timing.add(time.perf_counter() - t0, t2 - t1)
+        return codes, finite

@@ -539,7 +539,7 @@ def test_manifest_section(tts_bundle_dir):
                                  for k in ("key", "value")]
     assert bb["outputs"][-1] == {"name": "hidden", "dtype": "float32", "shape": ["batch", "rows", 32]}
     depth = manifest["graphs"]["depth"]
-    assert [o["name"] for o in depth["outputs"]] == ["codes", "logits"]
+    assert [o["name"] for o in depth["outputs"]] == ["codes", "logits", "finite"]
     assert {"backbone.onnx", "depth.onnx", "sampling_filter.onnx"} <= set(manifest["files"])
 
 
