@@ -52,6 +52,9 @@ class ServerSettings(BaseSettings):
     elevenlabs_seed: int | None = Field(None, ge=0, lt=2**32, description="seed when a request names none")
     elevenlabs_greedy: bool = Field(False, description="greedy decoding on the ElevenLabs routes (reproducible)")
     max_voices: int = Field(1000, ge=1, le=1_000_000, description="registered voices the server keeps at most")
+    # the GPU step loop
+    cuda_graphs: Literal["on", "off"] | None = Field(None, description="capture each batch bucket's step as CUDA "
+                                                     "graphs (none: on with CUDA when the graphs place fully there)")
 
     @field_validator("api_keys", "cors_origins", mode="before")
     @classmethod

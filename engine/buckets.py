@@ -71,8 +71,9 @@ class GraphKey:
 @dataclass
 class GraphRegistry:
     """Our own ``gpu_graph_id`` → shapes registry. onnxruntime replays whatever graph an id captured, even
-    when the bound shapes changed since; every captured run asks :meth:`id_for` with the shapes it binds,
-    and a mismatch is refused loudly instead of replaying a graph over the wrong memory."""
+    when the bound shapes changed since; every captured run asks :meth:`id_for` with the shapes (and
+    addresses) it binds, and a mismatch is refused loudly instead of replaying a graph over the wrong
+    memory."""
 
     _ids: dict[GraphKey, int] = field(default_factory=dict)
     _shapes: dict[int, dict[str, tuple[int, ...]]] = field(default_factory=dict)
@@ -141,10 +142,12 @@ class _Buffer:
 
 
 class BucketBuffers:
-    """Everything one bucket's step and depth calls bind, allocated and bound once (see the module doc)."""
+    """Everything one bucket's step and depth calls bind, allocated and bound once (see the module doc).
+    ``capture``: its calls run as captured CUDA graphs when the model captures (one runner per model does:
+    the scheduler's; a captured graph replays at the addresses it was captured with)."""
 
-    def __init__(self, bucket: int, model, pool, stats: BufferStats):
-        self.bucket, self.model, self.pool, self.stats = bucket, model, pool, stats
+    def __init__(self, bucket: int, model, pool, stats: BufferStats, capture: bool = False):
+        self.bucket, self.model, self.pool, self.stats, self.capture = bucket, model, pool, stats, capture
         device = model.bundle.device
         self.device = device
         B, H, N = bucket, model.config.hidden, model.layout.codebooks
@@ -168,6 +171,7 @@ class BucketBuffers:
         self.logits = _Buffer((B, N, model.config.audio_vocab), np.float32, device, stats)
         self.finite = _Buffer((B,), np.bool_, device, stats)
         self._depth: dict[int, tuple[ort.IOBinding, _Buffer]] = {}     # per bound history window
+        self.depth_layout: dict[int, dict[str, tuple[int, ...]]] = {}
 
     # ------------------------------------------------------------------ per-step staging (host arrays)
     def stage_step(self, rows: dict[int, np.ndarray], lengths: np.ndarray, rider_row: np.ndarray) -> None:
@@ -222,6 +226,10 @@ class BucketBuffers:
         b.bind_cpu_input("total_sequence_length", self.total)
         self._bind(b.bind_output, "hidden", self.hidden)
         self.pool.bind(b, 0, self.bucket)
+        # what a captured graph bakes in: every bound shape and address (KV as its first layer's key)
+        kv = self.pool.tensors[0]
+        self.backbone_layout = _layout({"grid": self.grid, "position_ids": self.positions, "seqlens_k": self.seqlens,
+                                        "hidden": self.hidden}) | {"kv": (self.bucket, *kv.shape[1:], kv.view(0, 1)[0])}
         self.stats.bindings += 2 + 2 * len(self.pool.tensors)
 
     def depth_binding(self, window: int) -> tuple[ort.IOBinding, _Buffer]:
@@ -237,5 +245,11 @@ class BucketBuffers:
             for name, buf in (("codes", self.codes), ("logits", self.logits), ("finite", self.finite)):
                 self._bind(b.bind_output, name, buf)
             self._depth[window] = (b, history)
+            self.depth_layout[window] = _layout({"history": history, "hidden": self.hidden, "codes": self.codes,
+                                                 "logits": self.logits, "finite": self.finite, **self.sampler})
         return self._depth[window]
 
+
+def _layout(buffers: dict[str, _Buffer]) -> dict[str, tuple[int, ...]]:
+    """Each buffer's shape and device address, as the graph registry compares them."""
+    return {name: (*buf.host.shape, buf.value.data_ptr()) for name, buf in buffers.items()}

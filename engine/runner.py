@@ -103,7 +103,8 @@ class StepRunner:
     def __init__(self, model, slots: int, max_context_rows: int,
                  prefill_chunk_rows: int = DEFAULT_PREFILL_CHUNK_ROWS,
                  prefill_rows_per_tick: int = DEFAULT_PREFILL_ROWS_PER_TICK,
-                 codec_schedule: tuple[int, ...] = (1,), prefix_cache: PrefixCache | None = None):
+                 codec_schedule: tuple[int, ...] = (1,), prefix_cache: PrefixCache | None = None,
+                 capture: bool = False):
         for name, v in (("slots", slots), ("prefill_chunk_rows", prefill_chunk_rows),
                         ("prefill_rows_per_tick", prefill_rows_per_tick), ("max_context_rows", max_context_rows)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -127,6 +128,7 @@ class StepRunner:
         self.bucket_sizes = bucket_sizes(slots)
         self.buffer_stats = BufferStats()
         self._buckets: dict[int, BucketBuffers] = {}
+        self.capture = capture                      # run the buckets' calls as captured CUDA graphs
 
     # ------------------------------------------------------------------ slots
     @property
@@ -302,7 +304,7 @@ class StepRunner:
         """The buffers of the smallest bucket covering ``slots`` (made, allocated and bound, on first use)."""
         bucket = bucket_for(max(slots) + 1, self.bucket_sizes)
         if bucket not in self._buckets:
-            self._buckets[bucket] = self.model.step_buffers(bucket, self.kv, self.buffer_stats)
+            self._buckets[bucket] = self.model.step_buffers(bucket, self.kv, self.buffer_stats, self.capture)
         return self._buckets[bucket]
 
     def _step(self, entries: list[_Entry], bufs: BucketBuffers, result: TickResult) -> list[tuple[_Entry, None]]:

@@ -6,12 +6,14 @@ A :class:`TTSModel` holds no per-stream state: it may be shared by every thread 
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 
 import numpy as np
+import onnxruntime as ort
 
-from .buckets import BucketBuffers
+from .buckets import BucketBuffers, GraphKey, GraphRegistry, capture_decision
 from .bundle import Bundle
 from .codec import Codec
 from .device import KV_DTYPES
@@ -32,13 +34,18 @@ def check_compute_dtype(compute_dtype: str, device: str) -> None:
                           "or export with --compute-dtype fp16 (or fp32) for CPU")
 
 
+log = logging.getLogger("mossrt.tts")
+
+STEP_GRAPHS = ("backbone", "depth")      # the graphs a bucket's step captures
 NON_FINITE_LOGITS = "the depth graph produced NaN/Inf logits (damaged bundle?)"
 
 
 class TTSModel:
     """The TTS graphs of a bundle plus everything derived from its manifest (layout, defaults, tokenizer)."""
 
-    def __init__(self, bundle: Bundle, codec: Codec | None = None):
+    def __init__(self, bundle: Bundle, codec: Codec | None = None, cuda_graphs: bool | None = None):
+        """``cuda_graphs``: capture each bucket's backbone step and depth call as CUDA graphs (None: on with
+        CUDA when every node of both graphs is placed there, see :func:`engine.buckets.capture_decision`)."""
         self.bundle = bundle
         tts = bundle.section("tts")
         self.config = tts.config
@@ -57,8 +64,16 @@ class TTSModel:
         self.history_pad = self.config.history_pad
         self.vocab = self.config.vocab
         self.sampling_defaults = gen.sampling_defaults.model_dump()
-        self._backbone = bundle.session("backbone")
-        self._depth = bundle.session("depth")
+        unplaced = {g: [f.node for f in bundle.unplaced("cuda") if f.graph == g] for g in STEP_GRAPHS} \
+            if bundle.device == "cuda" else {}
+        self.cuda_graphs, why = capture_decision(cuda_graphs, bundle.device, unplaced)
+        (log.warning if "refused" in why else log.info)("%s", why)
+        self.graph_ids = GraphRegistry()
+        self._capture_claimed = False
+        self._run_options: dict[int, ort.RunOptions] = {}
+        self._uncaptured = self._graph_run_options(-1) if self.cuda_graphs else None   # prefill, run_depth
+        self._backbone = bundle.session("backbone", cuda_graph=self.cuda_graphs)
+        self._depth = bundle.session("depth", cuda_graph=self.cuda_graphs)
         if "finite" not in {o.name for o in self._depth.get_outputs()}:
             raise BundleError(f"{bundle.dir}: the depth graph has no 'finite' output (an older export): re-export "
                               "the bundle")
@@ -123,7 +138,7 @@ class TTSModel:
         pool.bind(binding, lo, hi)
         t1 = time.perf_counter()
         with self.graph_lock:
-            self._backbone.run_with_iobinding(binding)
+            self._backbone.run_with_iobinding(binding, self._uncaptured)
         t2 = time.perf_counter()
         hidden = binding.get_outputs()[0].numpy()
         if timing is not None:
@@ -152,7 +167,7 @@ class TTSModel:
         }
         t1 = time.perf_counter()
         with self.graph_lock:
-            codes, finite = self._depth.run(["codes", "finite"], feeds)
+            codes, finite = self._depth.run(["codes", "finite"], feeds, self._uncaptured)
         t2 = time.perf_counter()
         if not finite.all():
             raise GraphError(NON_FINITE_LOGITS)
@@ -161,11 +176,37 @@ class TTSModel:
         return codes
 
     # ------------------------------------------------------------------ bucketed step calls
-    def step_buffers(self, bucket: int, pool: BackboneKVPool, stats) -> BucketBuffers:
+    def step_buffers(self, bucket: int, pool: BackboneKVPool, stats, capture: bool = False) -> BucketBuffers:
         """The fixed-address buffers and bindings of one batch bucket over ``pool``'s slots ``0..bucket-1``."""
-        return BucketBuffers(bucket, self, pool, stats)
+        return BucketBuffers(bucket, self, pool, stats, capture)
 
-    def run_step(self, bufs: BucketBuffers, timing: CallTiming | None = None, run_options=None) -> None:
+    def claim_capture(self) -> bool:
+        """Whether the caller's runner captures its buckets' calls: true once per model (the service's
+        scheduler), when capturing at all. A captured graph replays at the addresses it was captured with,
+        so a second runner's buffers (a StreamingSession, another scheduler) run uncaptured."""
+        with self.graph_lock:
+            claimed, self._capture_claimed = self._capture_claimed, True
+        return self.cuda_graphs and not claimed
+
+    def _graph_run_options(self, gid: int) -> ort.RunOptions:
+        if gid not in self._run_options:
+            ro = ort.RunOptions()
+            ro.add_run_config_entry("gpu_graph_id", str(gid))       # onnxruntime's CUDA graph annotation
+            self._run_options[gid] = ro
+        return self._run_options[gid]
+
+    def _captured(self, bufs: BucketBuffers, key: GraphKey,
+                  layout: dict[str, tuple[int, ...]]) -> ort.RunOptions | None:
+        """The run options of a bucket's call: its captured graph's id (the registry refuses an id bound with
+        other shapes or addresses than it was captured with), uncaptured (-1) for buffers that do not
+        capture, None when the model does not capture at all."""
+        if not self.cuda_graphs:
+            return None
+        if not bufs.capture:
+            return self._uncaptured
+        return self._graph_run_options(self.graph_ids.id_for(key, layout))
+
+    def run_step(self, bufs: BucketBuffers, timing: CallTiming | None = None) -> None:
         """The backbone step over the bucket's staged ``grid``/``positions``/``seqlens`` (host arrays, copied
         to its device buffers here); the rows' hidden states stay in ``bufs.hidden`` on the device."""
         t0 = time.perf_counter()
@@ -173,13 +214,14 @@ class TTSModel:
             buf.upload()
         t1 = time.perf_counter()
         with self.graph_lock:
-            self._backbone.run_with_iobinding(bufs.backbone, run_options)
+            self._backbone.run_with_iobinding(bufs.backbone, self._captured(bufs, GraphKey("backbone", bufs.bucket),
+                                                                            bufs.backbone_layout))
         t2 = time.perf_counter()
         if timing is not None:
             timing.add(t2 - t0, t2 - t1)
 
-    def run_bucket_depth(self, bufs: BucketBuffers, window: int, timing: CallTiming | None = None,
-                         run_options=None) -> tuple[np.ndarray, np.ndarray]:
+    def run_bucket_depth(self, bufs: BucketBuffers, window: int,
+                         timing: CallTiming | None = None) -> tuple[np.ndarray, np.ndarray]:
         """The depth call over ``bufs.hidden`` with the staged sampler inputs and history of bound ``window``;
         returns host copies of ``codes`` [B, 16] and ``finite`` [B] (nothing else comes back)."""
         t0 = time.perf_counter()
@@ -189,7 +231,8 @@ class TTSModel:
             buf.upload()
         t1 = time.perf_counter()
         with self.graph_lock:
-            self._depth.run_with_iobinding(binding, run_options)
+            self._depth.run_with_iobinding(binding, self._captured(bufs, GraphKey("depth", bufs.bucket, window),
+                                                                   bufs.depth_layout[window]))
         t2 = time.perf_counter()
         # copies: on CPU numpy() is a view of the buffer, which the next call overwrites
         codes, finite = bufs.codes.value.numpy().copy(), bufs.finite.value.numpy().copy()

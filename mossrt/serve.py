@@ -14,6 +14,8 @@ FLAG_FIELDS = ("bundle", "host", "port", "voices_dir", "max_streams", "device", 
                "max_voice_seconds")
 # bounds against hostile clients (issue 14): their own block so parallel additions merge mechanically
 BOUND_FLAG_FIELDS = ("ws_text_timeout", "max_voices")
+# the GPU step loop (issue 16)
+GPU_FLAG_FIELDS = ("cuda_graphs",)
 
 
 def load_settings(args):
@@ -21,7 +23,7 @@ def load_settings(args):
 
     from app.settings import ServerSettings
 
-    given = {k: getattr(args, k) for k in FLAG_FIELDS + BOUND_FLAG_FIELDS if getattr(args, k, None) is not None}
+    given = {k: getattr(args, k) for k in FLAG_FIELDS + BOUND_FLAG_FIELDS + GPU_FLAG_FIELDS if getattr(args, k, None) is not None}
     if getattr(args, "api_key", None):
         given["api_keys"] = args.api_key
     if getattr(args, "cors_origin", None):

@@ -1,6 +1,8 @@
 """Batch buckets at fixed addresses (engine/buckets.py): sizes, the CUDA-graph id registry and capture
 decision, a padded bucket's exactness against the unpadded batch, and no device allocation per step."""
 
+import time
+
 import numpy as np
 import pytest
 
@@ -154,3 +156,82 @@ def test_the_depth_graph_flags_non_finite_rows(model):
     assert finite.tolist() == [True, True, True, False]
     ref = model.run_depth(h[:2], np.stack([empty, empty]), [p, p], np.stack([u, u]), np.array([True, True]))
     np.testing.assert_array_equal(codes[:2], ref)
+
+
+# ---------------------------------------------------------------------------------------------- CUDA graphs
+def turn_frames(h, timeout: float = 120) -> list:
+    """The frames of the handle's turn (its errors fail the test), within ``timeout`` s."""
+    from engine.scheduler import FrameEvent, StreamError, TurnEnd
+
+    frames, deadline = [], time.monotonic() + timeout
+    while True:
+        event = h.get(timeout=max(0.01, deadline - time.monotonic()))      # queue.Empty past the deadline
+        assert not isinstance(event, StreamError), event.error
+        if isinstance(event, FrameEvent):
+            frames.append(event.frame)
+        elif isinstance(event, TurnEnd):
+            return frames
+
+
+def test_cuda_graph_ids_per_bucket_for_the_scheduler_only(full_bundle_dir):
+    """The capture bookkeeping, driven on CPU (onnxruntime's CPU provider ignores ``gpu_graph_id``): with
+    capture forced on, the scheduler's runner claims capture and each bucket's step and depth get their own
+    id, registered with that bucket's shapes and addresses; a StreamingSession on the same model runs
+    uncaptured and registers nothing; codes are those of the uncaptured model."""
+    from conftest import TEST_DEVICE
+    from engine.buckets import GraphKey
+    from engine.bundle import Bundle
+    from engine.scheduler import Scheduler
+    from engine.session import StreamingSession
+    from engine.tts import TTSModel
+
+    def frames(model, n: int) -> list[list]:
+        sch = Scheduler(model, slots=4)
+        try:
+            handles = [sch.open_stream(params=model.default_sampling(greedy=True), seed=i) for i in range(n)]
+            for h in handles:
+                h.begin_turn(max_frames=4, wait=30)
+                h.push_text(SAY)
+                h.end_text()
+            return [[f.codes.tolist() for f in turn_frames(h)] for h in handles]
+        finally:
+            sch.stop()
+
+    plain = TTSModel(Bundle(full_bundle_dir, device=TEST_DEVICE))
+    assert plain.cuda_graphs is False                       # CPU: capture refused/off
+    captured = TTSModel(Bundle(full_bundle_dir, device=TEST_DEVICE))
+    captured.cuda_graphs = True                             # what a CUDA placement would decide
+    session = StreamingSession(captured, params=captured.default_sampling(greedy=True), seed=0)
+    session.begin_turn()
+    session.push_token_ids(captured.tokenizer.encode(SAY))
+    solo = session.end_text() + session.drain()
+    assert solo and len(captured.graph_ids) == 0             # the session's runner did not capture
+    assert frames(captured, 3) == frames(plain, 3)
+    keys = set(captured.graph_ids._ids)
+    assert GraphKey("backbone", 4) in keys and GraphKey("depth", 4, 64) in keys
+    assert {k.graph for k in keys} == {"backbone", "depth"} and all(k.bucket in (1, 2, 4) for k in keys)
+    assert not captured.claim_capture()                     # once per model
+
+
+def test_cuda_graphs_flag_reaches_the_model_and_is_refused_off_cuda(full_bundle_dir, caplog):
+    """``--cuda-graphs on`` on CPU: a clear log line, uncaptured runs; serve takes the flag into its settings."""
+    import logging
+
+    from conftest import TEST_DEVICE
+    from engine.bundle import Bundle
+    from engine.tts import TTSModel
+    from mossrt.cli import build_parser
+    from mossrt.commands import cuda_graphs_choice
+    from mossrt.serve import load_settings
+
+    if TEST_DEVICE != "cpu":
+        pytest.skip("the refusal is for a non-CUDA device")
+    args = build_parser().parse_args(["bench", "streams", "--bundle", str(full_bundle_dir), "--cuda-graphs", "on"])
+    assert cuda_graphs_choice(args) is True
+    with caplog.at_level(logging.INFO, logger="mossrt.tts"):
+        model = TTSModel(Bundle(full_bundle_dir, device="cpu"), cuda_graphs=cuda_graphs_choice(args))
+    assert model.cuda_graphs is False and not model.claim_capture()
+    assert any("CUDA graphs refused" in r.getMessage() and r.levelno == logging.WARNING for r in caplog.records)
+    serve = build_parser().parse_args(["serve", "--cuda-graphs", "off"])
+    assert load_settings(serve).cuda_graphs == "off"
+    assert load_settings(build_parser().parse_args(["serve"])).cuda_graphs is None
