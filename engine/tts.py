@@ -71,12 +71,15 @@ class TTSModel:
         self.graph_ids = GraphRegistry()
         self._capture_claimed = False
         self._run_options: dict[int, ort.RunOptions] = {}
+        if self.cuda_graphs:
+            try:
+                self._backbone, self._depth = (bundle.session(g, cuda_graph=True) for g in STEP_GRAPHS)
+            except BundleError as e:      # onnxruntime refuses a CUDA-graph session it cannot place on CUDA alone
+                log.warning("CUDA graphs refused by onnxruntime, running uncaptured: %s", e)
+                self.cuda_graphs = False
+        if not self.cuda_graphs:
+            self._backbone, self._depth = (bundle.session(g) for g in STEP_GRAPHS)
         self._uncaptured = self._graph_run_options(-1) if self.cuda_graphs else None   # prefill, run_depth
-        self._backbone = bundle.session("backbone", cuda_graph=self.cuda_graphs)
-        self._depth = bundle.session("depth", cuda_graph=self.cuda_graphs)
-        if "finite" not in {o.name for o in self._depth.get_outputs()}:
-            raise BundleError(f"{bundle.dir}: the depth graph has no 'finite' output (an older export): re-export "
-                              "the bundle")
         # one graph call at a time per model: a runner's scheduler thread and a StreamingSession or synth in
         # another thread share these sessions, and a CUDA-graph session must never run concurrently
         self.graph_lock = threading.Lock()

@@ -71,7 +71,7 @@ class Graphs:
                 "repetition_penalty": vec(penalty, np.float32), "temperature": vec(temperature, np.float32),
                 "top_k": vec(top_k, np.int64), "top_p": vec(top_p, np.float32), "greedy": vec(greedy, np.bool_),
                 "uniform": np.zeros((B, 16), np.float32) if uniform is None else uniform.astype(np.float32)}
-        return self.depth.run(None, feed)
+        return self.depth.run(["codes", "logits"], feed)
 
     def sampling_filter(self, logits, history, penalty, temperature, top_k, top_p):
         B = logits.shape[0]
