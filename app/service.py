@@ -90,7 +90,8 @@ class TTSService:
     def _load(self) -> None:
         try:
             t0 = time.monotonic()
-            model = TTSModel(self.bundle)
+            cuda_graphs = self.settings.cuda_graphs
+            model = TTSModel(self.bundle, cuda_graphs=None if cuda_graphs is None else cuda_graphs == "on")
             slots = self.settings.max_streams or self._default_slots(model)
             self.scheduler = Scheduler(model, slots=slots, limits=self.limits, queue_timeout=self.settings.queue_timeout,
                                        prefix_cache_bytes=self.settings.prefix_cache_bytes)

@@ -60,6 +60,9 @@ class ServerSettings(BaseSettings):
                                                                   "to take audio before it ends")
     shutdown_delay: float = Field(0.0, ge=0.0, le=600.0, description="seconds after SIGTERM with /ready 503 and "
                                                                    "the listener open (the preStop window)")
+    # the GPU step loop
+    cuda_graphs: Literal["on", "off"] | None = Field(None, description="capture each batch bucket's step as CUDA "
+                                                     "graphs (none: on with CUDA when the graphs place fully there)")
 
     @field_validator("api_keys", "cors_origins", mode="before")
     @classmethod

@@ -133,10 +133,13 @@ class Bundle:
     def file_path(self, name: str) -> Path:
         return self.dir / name
 
-    def session(self, name: str) -> ort.InferenceSession:
-        """The (cached) onnxruntime session of graph ``name``; a graph that does not load is a BundleError."""
+    def session(self, name: str, cuda_graph: bool = False) -> ort.InferenceSession:
+        """The (cached) onnxruntime session of graph ``name``; a graph that does not load is a BundleError.
+        ``cuda_graph``: a session of its own with the CUDA provider's ``enable_cuda_graph`` (its runs then
+        capture and replay per ``gpu_graph_id`` run option; -1 runs uncaptured)."""
+        key = f"{name}+cuda_graph" if cuda_graph else name
         with self._lock:
-            if name not in self._sessions:
+            if key not in self._sessions:
                 if not self.has_graph(name):
                     raise BundleError(f"{self.dir}: the bundle has no graph {name!r}")
                 if not self.providers:
@@ -150,12 +153,14 @@ class Bundle:
                     opts.enable_profiling = True
                     opts.profile_file_prefix = str(self.profile_dir / name)
                 path = self.dir / self.info.graphs[name].file
+                providers = [(p, {"enable_cuda_graph": "1"}) if cuda_graph and p == "CUDAExecutionProvider" else p
+                             for p in self.providers]
                 try:
-                    self._sessions[name] = ort.InferenceSession(str(path), opts, providers=self.providers)
+                    self._sessions[key] = ort.InferenceSession(str(path), opts, providers=providers)
                 except Exception as e:  # onnxruntime raises its own (Fail, InvalidGraph, ...) and RuntimeError
                     raise BundleError(f"{path}: the graph does not load ({type(e).__name__}: "
                                       f"{str(e).splitlines()[0][:300]}); run 'mossrt verify' or re-export") from None
-            return self._sessions[name]
+            return self._sessions[key]
 
     def end_profiling(self) -> list[Path]:
         """With ``profile_dir``: write each session's onnxruntime profile (JSON); returns the files."""

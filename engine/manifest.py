@@ -17,7 +17,8 @@ FORMAT = "mossrt-bundle"
 # 2: the backbone attends with GroupQueryAttention over a fixed KV slot it updates in place.
 # 3: the host supplies the backbone's position_ids, seqlens_k and total_sequence_length (no past_len);
 #    tts.compute_dtype (absent: fp32) is the type of its activations and KV.
-FORMAT_VERSION = 3
+# 4: the depth graph also outputs ``finite`` [B] (whether a row's logits are all finite).
+FORMAT_VERSION = 4
 
 _PLAIN_NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
 

@@ -8,11 +8,13 @@ streams (a stream holds one slot while attached). Each :meth:`StepRunner.tick`:
    at fixed offsets of the prefill (so results never depend on load), at most about
    ``prefill_rows_per_tick`` rows per tick: running streams wait at most that long for a newcomer. A
    stream's system block is a chunk of its own, so its KV can come from the prefix cache instead;
-3. runs one batched backbone step for every stream that feeds one row, binding the contiguous prefix of
-   slots; streams in that prefix with nothing to feed ride along with a dummy row written past their
-   valid rows (their cache is untouched);
-4. runs one batched depth call for every stream whose rows are complete (per-row sampling settings,
-   draws and first-frame flags);
+3. runs one batched backbone step for every stream that feeds one row, at the tick's batch bucket
+   (``engine/buckets.py``: the smallest of 1, 2, 4, … slots covering the highest slot with work, bound once
+   at fixed addresses); slots of the bucket with nothing to feed ride along with a dummy row written past
+   their valid rows, or into a free slot (no stream's cache changes);
+4. runs one batched depth call, at the same bucket, for every stream whose rows are complete (per-row
+   sampling settings, draws and first-frame flags), reading the step's hidden states where the step left
+   them (on the device); only the codes and per-row finiteness flags come back;
 5. decodes audio in one batched codec call: a turn's first frame at once, later frames in chunks that
    grow along ``codec_schedule`` (fewer, larger calls), but never later than the stream's playback
    needs them; frames are handed back, in order, once their audio exists.
@@ -29,11 +31,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .buckets import BucketBuffers, BufferStats, bucket_for, bucket_sizes
 from .codec import MAX_FRAMES_PER_CALL
 from .errors import CapacityError, GraphError, InputError
 from .prefix import PrefixCache, prefix_key
 from .stream import Frame, StepRequest, StreamState, TurnStats
 from .timing import CallTiming
+from .tts import NON_FINITE_LOGITS
 
 log = logging.getLogger("mossrt.runner")
 
@@ -99,7 +103,8 @@ class StepRunner:
     def __init__(self, model, slots: int, max_context_rows: int,
                  prefill_chunk_rows: int = DEFAULT_PREFILL_CHUNK_ROWS,
                  prefill_rows_per_tick: int = DEFAULT_PREFILL_ROWS_PER_TICK,
-                 codec_schedule: tuple[int, ...] = (1,), prefix_cache: PrefixCache | None = None):
+                 codec_schedule: tuple[int, ...] = (1,), prefix_cache: PrefixCache | None = None,
+                 capture: bool = False):
         for name, v in (("slots", slots), ("prefill_chunk_rows", prefill_chunk_rows),
                         ("prefill_rows_per_tick", prefill_rows_per_tick), ("max_context_rows", max_context_rows)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -123,6 +128,10 @@ class StepRunner:
         self._tick_s = 0.0                          # running mean of a working tick's duration
         self._codec_call_s = 0.0                    # running mean of a codec call's duration
         self._rider_row = model.prompt.text_rows([model.layout.text_pad_id])[0]
+        self.bucket_sizes = bucket_sizes(slots)
+        self.buffer_stats = BufferStats()
+        self._buckets: dict[int, BucketBuffers] = {}
+        self.capture = capture                      # run the buckets' calls as captured CUDA graphs
 
     # ------------------------------------------------------------------ slots
     @property
@@ -197,19 +206,22 @@ class StepRunner:
         prefills = sorted((e for e in self._entries if e.request is not None and len(e.request.rows) > 1),
                           key=lambda e: e.serial)
         decodes = [e for e in self._entries if e.request is not None and len(e.request.rows) == 1]
-        done: list[tuple[_Entry, np.ndarray]] = []
+        done: list[tuple[_Entry, np.ndarray | None]] = []
         if prefills:
             done += self._prefill(prefills, result)
-        if decodes:
-            done += self._step(decodes, result)
-        for e, _ in done:
-            if not e.request.sample:            # context rows only (prime): no frame follows
-                e.stream.release(e.request)
-                e.request = None
-        done = [(e, h) for e, h in done if e.request is not None]
-        if done:
-            for e, frame in self._depth(done, result):
-                e.pending.append(frame)
+        if decodes or done:
+            # one bucket for the tick's step and depth: they share its hidden buffer
+            bufs = self._bucket([e.slot for e in decodes] + [e.slot for e, _ in done])
+            if decodes:
+                done += self._step(decodes, bufs, result)
+            for e, _ in done:
+                if not e.request.sample:            # context rows only (prime): no frame follows
+                    e.stream.release(e.request)
+                    e.request = None
+            done = [(e, h) for e, h in done if e.request is not None]
+            if done:
+                for e, frame in self._depth(done, bufs, result):
+                    e.pending.append(frame)
         self._hand_back(result)
         if result.worked:
             spent = time.perf_counter() - t0
@@ -291,39 +303,45 @@ class StepRunner:
                 done.append((e, last))
         return done
 
-    def _step(self, entries: list[_Entry], result: TickResult) -> list[tuple[_Entry, np.ndarray]]:
-        def run(group: list[_Entry]) -> list[np.ndarray]:
-            lo, hi = min(e.slot for e in group), max(e.slot for e in group) + 1
-            grid = np.broadcast_to(self._rider_row, (hi - lo, 1, len(self._rider_row))).copy()
-            for e in group:
-                grid[e.slot - lo, 0] = e.request.rows[0]
-            hidden = self.model.run_backbone(grid, self.kv, lo, hi, self.timing.step)
-            return [hidden[e.slot - lo, 0] for e in group]
+    def _bucket(self, slots: list[int]) -> BucketBuffers:
+        """The buffers of the smallest bucket covering ``slots`` (made, allocated and bound, on first use)."""
+        bucket = bucket_for(max(slots) + 1, self.bucket_sizes)
+        if bucket not in self._buckets:
+            self._buckets[bucket] = self.model.step_buffers(bucket, self.kv, self.buffer_stats, self.capture)
+        return self._buckets[bucket]
 
-        def commit(e: _Entry, h: np.ndarray) -> tuple[_Entry, np.ndarray]:
-            if not np.isfinite(h).all():
-                raise GraphError("the backbone produced NaN/Inf hidden states")
+    def _step(self, entries: list[_Entry], bufs: BucketBuffers, result: TickResult) -> list[tuple[_Entry, None]]:
+        def run(group: list[_Entry]) -> list[None]:
+            bufs.stage_step({e.slot: e.request.rows[0] for e in group}, self.kv.lengths[: bufs.bucket],
+                            self._rider_row)
+            self.model.run_step(bufs, self.timing.step)
+            return [None] * len(group)                # the hidden states stay in bufs.hidden, on the device
+
+        def commit(e: _Entry, _: None) -> tuple[_Entry, None]:
             self.kv.lengths[e.slot] += 1
             e.stream.on_fed(e.request, e.request.rows)
-            return e, h
+            return e, None
 
         result.worked = True
         return self._isolated(run, commit, entries, result)
 
-    def _depth(self, done: list[tuple[_Entry, np.ndarray]], result: TickResult) -> list[tuple[_Entry, Frame]]:
-        def run(group: list[tuple[_Entry, np.ndarray]]) -> list[np.ndarray]:
-            reqs = [e.request for e, _ in group]
-            window = max(r.history.shape[0] for r in reqs)
-            history = np.full((len(reqs), window, self.model.layout.codebooks), self.model.history_pad, np.int64)
-            for i, r in enumerate(reqs):
-                history[i, window - r.history.shape[0]:] = r.history
-            codes = self.model.run_depth(np.stack([h for _, h in group]), history, [r.params for r in reqs],
-                                         np.stack([r.uniform for r in reqs]), np.array([r.first_frame for r in reqs]),
-                                         self.timing.depth)
-            return list(codes)
+    def _depth(self, done: list[tuple[_Entry, np.ndarray | None]], bufs: BucketBuffers,
+               result: TickResult) -> list[tuple[_Entry, Frame]]:
+        """One frame for each stream of ``done``, from its hidden state: in ``bufs.hidden`` already (a step's
+        row) or given on the host (a prefill's last row, written into its row of the buffer here)."""
+        def run(group: list[tuple[_Entry, np.ndarray | None]]) -> list[tuple[np.ndarray, bool]]:
+            from_prefill = [(e.slot, h) for e, h in group if h is not None]
+            if from_prefill:
+                bufs.set_hidden_rows(from_prefill)
+            window = bufs.stage_depth([(e.slot, e.request.history, e.request.params, e.request.uniform,
+                                        e.request.first_frame) for e, _ in group], self.model.history_pad)
+            codes, finite = self.model.run_bucket_depth(bufs, window, self.timing.depth)
+            return [(codes[e.slot], bool(finite[e.slot])) for e, _ in group]
 
-        def commit(item: tuple[_Entry, np.ndarray], codes: np.ndarray) -> tuple[_Entry, Frame] | None:
-            e = item[0]
+        def commit(item: tuple[_Entry, np.ndarray | None], out: tuple[np.ndarray, bool]) -> tuple[_Entry, Frame] | None:
+            e, (codes, finite) = item[0], out
+            if not finite:
+                raise GraphError(NON_FINITE_LOGITS)
             req, e.request = e.request, None
             frame = e.stream.accept(req, codes)
             return None if frame is None else (e, frame)

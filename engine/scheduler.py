@@ -266,7 +266,7 @@ class Scheduler:
         self.prefix_cache = PrefixCache(prefix_cache_bytes) if prefix_cache_bytes else None
         self.runner = StepRunner(model, slots, self.limits.max_context_rows, prefill_chunk_rows=prefill_chunk_rows,
                                  prefill_rows_per_tick=prefill_rows_per_tick, codec_schedule=codec_schedule,
-                                 prefix_cache=self.prefix_cache)
+                                 prefix_cache=self.prefix_cache, capture=model.claim_capture())
         self.queue_timeout = queue_timeout
         self.max_buffered_frames = max_buffered_frames
         self._cond = threading.Condition()

@@ -6,10 +6,14 @@ A :class:`TTSModel` holds no per-stream state: it may be shared by every thread 
 
 from __future__ import annotations
 
+import logging
+import threading
 import time
 
 import numpy as np
+import onnxruntime as ort
 
+from .buckets import BucketBuffers, GraphKey, GraphRegistry, capture_decision
 from .bundle import Bundle
 from .codec import Codec
 from .device import KV_DTYPES
@@ -30,10 +34,18 @@ def check_compute_dtype(compute_dtype: str, device: str) -> None:
                           "or export with --compute-dtype fp16 (or fp32) for CPU")
 
 
+log = logging.getLogger("mossrt.tts")
+
+STEP_GRAPHS = ("backbone", "depth")      # the graphs a bucket's step captures
+NON_FINITE_LOGITS = "the depth graph produced NaN/Inf logits (damaged bundle?)"
+
+
 class TTSModel:
     """The TTS graphs of a bundle plus everything derived from its manifest (layout, defaults, tokenizer)."""
 
-    def __init__(self, bundle: Bundle, codec: Codec | None = None):
+    def __init__(self, bundle: Bundle, codec: Codec | None = None, cuda_graphs: bool | None = None):
+        """``cuda_graphs``: capture each bucket's backbone step and depth call as CUDA graphs (None: on with
+        CUDA when every node of both graphs is placed there, see :func:`engine.buckets.capture_decision`)."""
         self.bundle = bundle
         tts = bundle.section("tts")
         self.config = tts.config
@@ -52,8 +64,33 @@ class TTSModel:
         self.history_pad = self.config.history_pad
         self.vocab = self.config.vocab
         self.sampling_defaults = gen.sampling_defaults.model_dump()
-        self._backbone = bundle.session("backbone")
-        self._depth = bundle.session("depth")
+        unplaced = {g: [f.node for f in bundle.unplaced("cuda") if f.graph == g] for g in STEP_GRAPHS} \
+            if bundle.device == "cuda" else {}
+        self.cuda_graphs, why = capture_decision(cuda_graphs, bundle.device, unplaced)
+        (log.warning if "refused" in why else log.info)("%s", why)
+        self.graph_ids = GraphRegistry()
+        self._capture_claimed = False
+        self._run_options: dict[int, ort.RunOptions] = {}
+        if self.cuda_graphs:
+            try:
+                self._backbone, self._depth = (bundle.session(g, cuda_graph=True) for g in STEP_GRAPHS)
+            except BundleError as e:      # onnxruntime refuses a CUDA-graph session it cannot place on CUDA alone
+                log.warning("CUDA graphs refused by onnxruntime, running uncaptured: %s", e)
+                self.cuda_graphs = False
+        if not self.cuda_graphs:
+            self._backbone, self._depth = (bundle.session(g) for g in STEP_GRAPHS)
+        self._uncaptured = self._graph_run_options(-1) if self.cuda_graphs else None   # prefill, run_depth
+        # one graph call at a time per model: a runner's scheduler thread and a StreamingSession or synth in
+        # another thread share these sessions, and a CUDA-graph session must never run concurrently
+        self.graph_lock = threading.Lock()
+
+    @property
+    def backbone_session(self):
+        return self._backbone
+
+    @property
+    def depth_session(self):
+        return self._depth
 
     def default_sampling(self, **overrides) -> SamplingParams:
         return SamplingParams.from_defaults(self.sampling_defaults, **overrides)
@@ -103,7 +140,8 @@ class TTSModel:
         binding.bind_cpu_input("total_sequence_length", np.array(pool.capacity, np.int32))
         pool.bind(binding, lo, hi)
         t1 = time.perf_counter()
-        self._backbone.run_with_iobinding(binding)
+        with self.graph_lock:
+            self._backbone.run_with_iobinding(binding, self._uncaptured)
         t2 = time.perf_counter()
         hidden = binding.get_outputs()[0].numpy()
         if timing is not None:
@@ -131,10 +169,76 @@ class TTSModel:
             "uniform": np.ascontiguousarray(uniform, dtype=np.float32),
         }
         t1 = time.perf_counter()
-        codes, logits = self._depth.run(["codes", "logits"], feeds)
+        with self.graph_lock:
+            codes, finite = self._depth.run(["codes", "finite"], feeds, self._uncaptured)
         t2 = time.perf_counter()
-        if not np.isfinite(logits).all():
-            raise GraphError("the depth graph produced NaN/Inf logits (damaged bundle?)")
+        if not finite.all():
+            raise GraphError(NON_FINITE_LOGITS)
         if timing is not None:
             timing.add(time.perf_counter() - t0, t2 - t1)
         return codes
+
+    # ------------------------------------------------------------------ bucketed step calls
+    def step_buffers(self, bucket: int, pool: BackboneKVPool, stats, capture: bool = False) -> BucketBuffers:
+        """The fixed-address buffers and bindings of one batch bucket over ``pool``'s slots ``0..bucket-1``."""
+        return BucketBuffers(bucket, self, pool, stats, capture)
+
+    def claim_capture(self) -> bool:
+        """Whether the caller's runner captures its buckets' calls: true once per model (the service's
+        scheduler), when capturing at all. A captured graph replays at the addresses it was captured with,
+        so a second runner's buffers (a StreamingSession, another scheduler) run uncaptured."""
+        with self.graph_lock:
+            claimed, self._capture_claimed = self._capture_claimed, True
+        return self.cuda_graphs and not claimed
+
+    def _graph_run_options(self, gid: int) -> ort.RunOptions:
+        if gid not in self._run_options:
+            ro = ort.RunOptions()
+            ro.add_run_config_entry("gpu_graph_id", str(gid))       # onnxruntime's CUDA graph annotation
+            self._run_options[gid] = ro
+        return self._run_options[gid]
+
+    def _captured(self, bufs: BucketBuffers, key: GraphKey,
+                  layout: dict[str, tuple[int, ...]]) -> ort.RunOptions | None:
+        """The run options of a bucket's call: its captured graph's id (the registry refuses an id bound with
+        other shapes or addresses than it was captured with), uncaptured (-1) for buffers that do not
+        capture, None when the model does not capture at all."""
+        if not self.cuda_graphs:
+            return None
+        if not bufs.capture:
+            return self._uncaptured
+        return self._graph_run_options(self.graph_ids.id_for(key, layout))
+
+    def run_step(self, bufs: BucketBuffers, timing: CallTiming | None = None) -> None:
+        """The backbone step over the bucket's staged ``grid``/``positions``/``seqlens`` (host arrays, copied
+        to its device buffers here); the rows' hidden states stay in ``bufs.hidden`` on the device."""
+        t0 = time.perf_counter()
+        for buf in (bufs.grid, bufs.positions, bufs.seqlens):
+            buf.upload()
+        t1 = time.perf_counter()
+        with self.graph_lock:
+            self._backbone.run_with_iobinding(bufs.backbone, self._captured(bufs, GraphKey("backbone", bufs.bucket),
+                                                                            bufs.backbone_layout))
+        t2 = time.perf_counter()
+        if timing is not None:
+            timing.add(t2 - t0, t2 - t1)
+
+    def run_bucket_depth(self, bufs: BucketBuffers, window: int,
+                         timing: CallTiming | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """The depth call over ``bufs.hidden`` with the staged sampler inputs and history of bound ``window``;
+        returns host copies of ``codes`` [B, 16] and ``finite`` [B] (nothing else comes back)."""
+        t0 = time.perf_counter()
+        binding, history = bufs.depth_binding(window)
+        history.upload()
+        for buf in bufs.sampler.values():
+            buf.upload()
+        t1 = time.perf_counter()
+        with self.graph_lock:
+            self._depth.run_with_iobinding(binding, self._captured(bufs, GraphKey("depth", bufs.bucket, window),
+                                                                   bufs.depth_layout[window]))
+        t2 = time.perf_counter()
+        # copies: on CPU numpy() is a view of the buffer, which the next call overwrites
+        codes, finite = bufs.codes.value.numpy().copy(), bufs.finite.value.numpy().copy()
+        if timing is not None:
+            timing.add(time.perf_counter() - t0, t2 - t1)
+        return codes, finite

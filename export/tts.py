@@ -505,7 +505,8 @@ def rope_matrix(spec: StackSpec, position: int) -> np.ndarray:
 
 def build_depth(ckpt: Checkpoint, cfg: TTSConfig, path: Path, weight_dtype, matmul_bits: int = 8,
                 compute_dtype=np.float32) -> GraphBuilder:
-    """One whole frame: hidden [B, hidden] → codes [B, 16] and raw head logits [B, 16, V].
+    """One whole frame: hidden [B, hidden] → codes [B, 16], raw head logits [B, 16, V] and ``finite`` [B]
+    (whether a row's logits are all finite).
 
     Position 0 is the backbone hidden state, position p >= 1 the local embedding ``p-1`` of code
     ``p-1``; the 16 positions are unrolled and each attends to the K/V of the earlier ones (a cache of
@@ -566,5 +567,10 @@ def build_depth(ckpt: Checkpoint, cfg: TTSConfig, path: Path, weight_dtype, matm
                 x = gb.embedding(code, ckpt.get(f"{LOCAL}.embed_tokens.{p}.weight", dtype=None),
                                  f"{LOCAL}.embed_tokens.{p}")                                 # [B, 1, H]
     gb.output(gb.concat(codes, 1), "codes", INT64, ["batch", N])
-    gb.output(gb.concat(all_logits, 1), "logits", FLOAT, ["batch", N, V])
+    logits = gb.output(gb.concat(all_logits, 1), "logits", FLOAT, ["batch", N, V])
+    with gb.scope("finite"), gb.computing(np.float32):
+        # per row: whether every logit is finite (x - x is 0 exactly for finite x, NaN for NaN/Inf), so the
+        # host reads back [B] flags, not the [B, 16, V] logits, to refuse a damaged bundle's frames
+        zeros = gb.op("ReduceSum", [gb.op("Sub", [logits, logits]), gb.const([1, 2], np.int64)], keepdims=0)
+        gb.output(gb.op("Equal", [zeros, gb.const(0.0)]), "finite", BOOL, ["batch"])
     return gb

@@ -39,6 +39,11 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--threads", type=int_in(0, 256), default=None,
                         help="intra-op threads, 0..256 (default: MOSSRT_THREADS, else all cores)")
 
+    def cuda_graphs_flag(sp):
+        sp.add_argument("--cuda-graphs", choices=["on", "off"], default=None,
+                        help="capture the batched backbone step and depth call as CUDA graphs, one per batch bucket "
+                             "(default: on with CUDA when every node of both graphs runs there, off on CPU)")
+
     def bundle_flag(sp, required=True):
         sp.add_argument("--bundle", required=required, help="bundle directory written by 'mossrt export'")
 
@@ -130,6 +135,8 @@ def build_parser() -> argparse.ArgumentParser:
     runtime_flags(bc)
     bc.set_defaults(func=c.cmd_bench_compare)
     for bp in bsub.choices.values():
+        cuda_graphs_flag(bp)
+    for bp in bsub.choices.values():
         bp.add_argument("--profile", metavar="DIR", help="write onnxruntime profiles (JSON) to DIR and print the "
                                                           "top ops by time")
 
@@ -179,6 +186,7 @@ def build_parser() -> argparse.ArgumentParser:
     from .serve import add_serve_parser
 
     add_serve_parser(sub, runtime_flags, int_in, finite_float)
+    cuda_graphs_flag(sub.choices["serve"])
     from .localai_cmd import add_localai_parser
 
     add_localai_parser(sub, runtime_flags, int_in)

@@ -120,7 +120,13 @@ def load_model(args):
     bundle = Bundle(args.bundle, device=args.device, threads=args.threads, profile_dir=profile_dir(args))
     if bundle.is_demo:
         progress(f"note: {args.bundle} is the demo bundle ({bundle.info.demo.note})")
-    return TTSModel(bundle)
+    return TTSModel(bundle, cuda_graphs=cuda_graphs_choice(args))
+
+
+def cuda_graphs_choice(args) -> bool | None:
+    """``--cuda-graphs on|off`` as the model takes it (None: not given, the device decides)."""
+    flag = getattr(args, "cuda_graphs", None)
+    return None if flag is None else flag == "on"
 
 
 def load_codec(args):

@@ -18,6 +18,8 @@ BOUND_FLAG_FIELDS = ("ws_text_timeout", "max_voices", "max_body_bytes", "header_
                      "stall_timeout", "shutdown_delay")
 SEND_BUFFER_BYTES = 128 * 1024   # per connection (Linux doubles it): about 5 s of 24 kHz pcm
 FLUSH_SECONDS = 3     # after the drain: responses already generated finish sending, then the process exits
+# the GPU step loop (issue 16)
+GPU_FLAG_FIELDS = ("cuda_graphs",)
 
 
 def load_settings(args):
@@ -25,7 +27,8 @@ def load_settings(args):
 
     from app.settings import ServerSettings
 
-    given = {k: getattr(args, k) for k in FLAG_FIELDS + BOUND_FLAG_FIELDS if getattr(args, k, None) is not None}
+    given = {k: getattr(args, k) for k in FLAG_FIELDS + BOUND_FLAG_FIELDS + GPU_FLAG_FIELDS
+             if getattr(args, k, None) is not None}
     if getattr(args, "api_key", None):
         given["api_keys"] = args.api_key
     if getattr(args, "cors_origin", None):

@@ -71,7 +71,7 @@ class Graphs:
                 "repetition_penalty": vec(penalty, np.float32), "temperature": vec(temperature, np.float32),
                 "top_k": vec(top_k, np.int64), "top_p": vec(top_p, np.float32), "greedy": vec(greedy, np.bool_),
                 "uniform": np.zeros((B, 16), np.float32) if uniform is None else uniform.astype(np.float32)}
-        return self.depth.run(None, feed)
+        return self.depth.run(["codes", "logits"], feed)
 
     def sampling_filter(self, logits, history, penalty, temperature, top_k, top_p):
         B = logits.shape[0]
@@ -540,7 +540,7 @@ def test_manifest_section(tts_bundle_dir):
                                  for k in ("key", "value")]
     assert bb["outputs"][-1] == {"name": "hidden", "dtype": "float32", "shape": ["batch", "rows", 32]}
     depth = manifest["graphs"]["depth"]
-    assert [o["name"] for o in depth["outputs"]] == ["codes", "logits"]
+    assert [o["name"] for o in depth["outputs"]] == ["codes", "logits", "finite"]
     assert {"backbone.onnx", "depth.onnx", "sampling_filter.onnx"} <= set(manifest["files"])
 
 

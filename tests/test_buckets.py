@@ -1,0 +1,237 @@
+"""Batch buckets at fixed addresses (engine/buckets.py): sizes, the CUDA-graph id registry and capture
+decision, a padded bucket's exactness against the unpadded batch, and no device allocation per step."""
+
+import time
+
+import numpy as np
+import pytest
+
+SAY = "The quick brown fox jumps over the lazy dog, and the model keeps on talking for a while."
+
+
+# ---------------------------------------------------------------------------------------------- pure logic
+def test_bucket_sizes_are_powers_of_two_up_to_the_slot_count():
+    from engine.buckets import bucket_for, bucket_sizes, window_for
+    from engine.errors import InputError
+
+    assert bucket_sizes(1) == (1,)
+    assert bucket_sizes(8) == (1, 2, 4, 8)
+    assert bucket_sizes(100) == (1, 2, 4, 8, 16, 32, 64, 100)
+    assert [bucket_for(n, bucket_sizes(100)) for n in (1, 2, 3, 5, 9, 64, 65, 100)] == [1, 2, 4, 8, 16, 64, 100, 100]
+    with pytest.raises(InputError):
+        bucket_for(101, bucket_sizes(100))
+    with pytest.raises(InputError):
+        bucket_sizes(0)
+    assert [window_for(w) for w in (1, 50, 64, 65, 4096)] == [64, 64, 64, 128, 4096]
+
+
+def test_graph_registry_refuses_an_id_replayed_with_other_shapes():
+    from engine.buckets import GraphKey, GraphRegistry
+
+    reg = GraphRegistry()
+    a = reg.id_for(GraphKey("backbone", 8), {"grid": (8, 1, 17)})
+    b = reg.id_for(GraphKey("backbone", 16), {"grid": (16, 1, 17)})
+    d = reg.id_for(GraphKey("depth", 8, 64), {"history": (8, 64, 16)})
+    assert len({a, b, d}) == 3 and min(a, b, d) >= 1          # -1 is "uncaptured", 0 onnxruntime's default
+    assert reg.id_for(GraphKey("backbone", 8), {"grid": [8, 1, 17]}) == a
+    with pytest.raises(RuntimeError, match="refusing to replay"):
+        reg.id_for(GraphKey("backbone", 8), {"grid": (4, 1, 17)})
+    assert reg.shapes(a) == {"grid": (8, 1, 17)} and len(reg) == 3
+
+
+def test_capture_decision():
+    from engine.buckets import capture_decision
+
+    placed = {"backbone": [], "depth": []}
+    assert capture_decision(None, "cuda", placed)[0] is True
+    assert capture_decision(True, "cuda", placed)[0] is True
+    assert capture_decision(False, "cuda", placed) == (False, "CUDA graphs off (--cuda-graphs off)")
+    assert capture_decision(None, "cpu", placed)[0] is False
+    on, why = capture_decision(True, "cpu", placed)
+    assert not on and "refused" in why
+    on, why = capture_decision(None, "cuda", {"backbone": ["backbone/layers.0/attn/GroupQueryAttention"], "depth": []})
+    assert not on and "refused" in why and "backbone: 1 nodes off CUDA" in why and "uncaptured" in why
+
+
+# ---------------------------------------------------------------------------------------------- exactness
+def _filled_pools(model, lengths: list[int], slots: int):
+    """Two identical KV pools whose first slots hold prefills of the given lengths."""
+    prompt = model.prompt.tts_prompt(None)
+    text = model.prompt.prefill_text(model.tokenizer.encode(SAY))
+    rows = np.concatenate([prompt, text])
+    pools = [model.kv_pool(slots, 256) for _ in range(2)]
+    for pool in pools:
+        for slot, n in enumerate(lengths):
+            model.run_backbone(rows[None, :n], pool, slot, slot + 1)
+            pool.lengths[slot] = n
+    return pools, rows
+
+
+def test_a_padded_bucket_equals_the_unpadded_batch(model):
+    """Three streams step in a bucket of 8 (a fourth attached but idle, four free slots): the same hidden
+    rows and KV as the unpadded three-row batch, the idle stream's rows untouched, the same codes."""
+    from engine.buckets import BufferStats
+
+    lengths = [30, 41, 36, 33]
+    (plain, padded), rows = _filled_pools(model, lengths, 8)
+    idle_before = padded.rows_of(3)
+    step = np.stack([rows[n] for n in lengths[:3]])[:, None]            # each stream's next row
+    hidden = model.run_backbone(step, plain, 0, 3)[:, 0]
+    for pool in (plain,):
+        pool.lengths[:3] += 1
+
+    bufs = model.step_buffers(8, padded, BufferStats())
+    rider = model.prompt.text_rows([model.layout.text_pad_id])[0]
+    bufs.stage_step({s: step[s, 0] for s in range(3)}, padded.lengths[:8], rider)
+    model.run_step(bufs)
+    padded.lengths[:3] += 1
+    got = bufs.hidden.value.numpy()[:3, 0]
+    # MLAS's GEMM is row-independent for these shapes: bitwise equal (no tolerance)
+    np.testing.assert_array_equal(got, hidden)
+    for s in range(3):
+        np.testing.assert_array_equal(padded.rows_of(s), plain.rows_of(s))
+    np.testing.assert_array_equal(padded.rows_of(3), idle_before)
+
+    # depth: sampled rows (penalty, top-k/top-p, draws) in the bucket vs the three-row call
+    rng = np.random.default_rng(3)
+    params = [model.default_sampling(), model.default_sampling(temperature=1.2, top_k=5), model.default_sampling(greedy=True)]
+    history = rng.integers(0, model.layout.codebook_size, (3, 50, model.layout.codebooks))
+    uniform = rng.random((3, model.layout.codebooks), dtype=np.float32)
+    first = np.array([False, True, False])
+    ref = model.run_depth(hidden, history, params, uniform, first)
+    window = bufs.stage_depth([(s, history[s], params[s], uniform[s], bool(first[s])) for s in range(3)],
+                              model.history_pad)
+    codes, finite = model.run_bucket_depth(bufs, window)
+    np.testing.assert_array_equal(codes[:3], ref)
+    assert finite.all()
+
+
+def test_no_device_allocation_or_binding_per_step_after_warm_up(model):
+    """Five streams through a runner of 8 slots, three turns each: every buffer and binding is made during
+    the first turn (the buckets and windows it uses); later turns allocate and bind nothing."""
+    from engine.runner import StepRunner
+    from engine.stream import StreamState
+
+    runner = StepRunner(model, 8, 8192)
+    streams = [StreamState(model, params=model.default_sampling(greedy=True), seed=i) for i in range(5)]
+    for st in streams:
+        runner.attach(st)
+
+    def turn():
+        for st in streams:
+            st.begin_turn(max_frames=5)
+            st.push_text(SAY)
+            st.end_text()
+        for _ in range(400):
+            runner.tick()
+            if all(st.turn_done and not st.in_flight for st in streams):
+                return
+        pytest.fail("the turn did not end")
+
+    turn()
+    warm = (runner.buffer_stats.allocations, runner.buffer_stats.bindings)
+    steps = runner.timing.step.calls
+    assert warm[0] > 0 and steps > 0
+    turn()
+    turn()
+    assert runner.timing.step.calls > steps
+    assert (runner.buffer_stats.allocations, runner.buffer_stats.bindings) == warm
+
+
+def test_the_depth_graph_flags_non_finite_rows(model):
+    """A row whose hidden state is NaN gets ``finite`` False (the host reads [B] flags, not the logits);
+    every other row of the bucket is unaffected."""
+    from engine.buckets import BufferStats
+
+    pool = model.kv_pool(4, 16)
+    bufs = model.step_buffers(4, pool, BufferStats())
+    h = np.random.default_rng(0).standard_normal((3, model.config.hidden)).astype(np.float32)
+    h[2, 5] = np.nan
+    bufs.set_hidden_rows([(0, h[0]), (1, h[1]), (3, h[2])])
+    p = model.default_sampling()
+    empty = np.full((50, model.layout.codebooks), model.history_pad, np.int64)
+    u = np.full(model.layout.codebooks, 0.5, np.float32)
+    window = bufs.stage_depth([(s, empty, p, u, True) for s in (0, 1, 3)], model.history_pad)
+    codes, finite = model.run_bucket_depth(bufs, window)
+    assert finite.tolist() == [True, True, True, False]
+    ref = model.run_depth(h[:2], np.stack([empty, empty]), [p, p], np.stack([u, u]), np.array([True, True]))
+    np.testing.assert_array_equal(codes[:2], ref)
+
+
+# ---------------------------------------------------------------------------------------------- CUDA graphs
+def turn_frames(h, timeout: float = 120) -> list:
+    """The frames of the handle's turn (its errors fail the test), within ``timeout`` s."""
+    from engine.scheduler import FrameEvent, StreamError, TurnEnd
+
+    frames, deadline = [], time.monotonic() + timeout
+    while True:
+        event = h.get(timeout=max(0.01, deadline - time.monotonic()))      # queue.Empty past the deadline
+        assert not isinstance(event, StreamError), event.error
+        if isinstance(event, FrameEvent):
+            frames.append(event.frame)
+        elif isinstance(event, TurnEnd):
+            return frames
+
+
+def test_cuda_graph_ids_per_bucket_for_the_scheduler_only(full_bundle_dir):
+    """The capture bookkeeping, driven on CPU (onnxruntime's CPU provider ignores ``gpu_graph_id``): with
+    capture forced on, the scheduler's runner claims capture and each bucket's step and depth get their own
+    id, registered with that bucket's shapes and addresses; a StreamingSession on the same model runs
+    uncaptured and registers nothing; codes are those of the uncaptured model."""
+    from conftest import TEST_DEVICE
+    from engine.buckets import GraphKey
+    from engine.bundle import Bundle
+    from engine.scheduler import Scheduler
+    from engine.session import StreamingSession
+    from engine.tts import TTSModel
+
+    def frames(model, n: int) -> list[list]:
+        sch = Scheduler(model, slots=4)
+        try:
+            handles = [sch.open_stream(params=model.default_sampling(greedy=True), seed=i) for i in range(n)]
+            for h in handles:
+                h.begin_turn(max_frames=4, wait=30)
+                h.push_text(SAY)
+                h.end_text()
+            return [[f.codes.tolist() for f in turn_frames(h)] for h in handles]
+        finally:
+            sch.stop()
+
+    plain = TTSModel(Bundle(full_bundle_dir, device=TEST_DEVICE))
+    assert plain.cuda_graphs is False                       # CPU: capture refused/off
+    captured = TTSModel(Bundle(full_bundle_dir, device=TEST_DEVICE))
+    captured.cuda_graphs = True                             # what a CUDA placement would decide
+    session = StreamingSession(captured, params=captured.default_sampling(greedy=True), seed=0)
+    session.begin_turn()
+    session.push_token_ids(captured.tokenizer.encode(SAY))
+    solo = session.end_text() + session.drain()
+    assert solo and len(captured.graph_ids) == 0             # the session's runner did not capture
+    assert frames(captured, 3) == frames(plain, 3)
+    keys = set(captured.graph_ids._ids)
+    assert GraphKey("backbone", 4) in keys and GraphKey("depth", 4, 64) in keys
+    assert {k.graph for k in keys} == {"backbone", "depth"} and all(k.bucket in (1, 2, 4) for k in keys)
+    assert not captured.claim_capture()                     # once per model
+
+
+def test_cuda_graphs_flag_reaches_the_model_and_is_refused_off_cuda(full_bundle_dir, caplog):
+    """``--cuda-graphs on`` on CPU: a clear log line, uncaptured runs; serve takes the flag into its settings."""
+    import logging
+
+    from conftest import TEST_DEVICE
+    from engine.bundle import Bundle
+    from engine.tts import TTSModel
+    from mossrt.cli import build_parser
+    from mossrt.commands import cuda_graphs_choice
+    from mossrt.serve import load_settings
+
+    if TEST_DEVICE != "cpu":
+        pytest.skip("the refusal is for a non-CUDA device")
+    args = build_parser().parse_args(["bench", "streams", "--bundle", str(full_bundle_dir), "--cuda-graphs", "on"])
+    assert cuda_graphs_choice(args) is True
+    with caplog.at_level(logging.INFO, logger="mossrt.tts"):
+        model = TTSModel(Bundle(full_bundle_dir, device="cpu"), cuda_graphs=cuda_graphs_choice(args))
+    assert model.cuda_graphs is False and not model.claim_capture()
+    assert any("CUDA graphs refused" in r.getMessage() and r.levelno == logging.WARNING for r in caplog.records)
+    serve = build_parser().parse_args(["serve", "--cuda-graphs", "off"])
+    assert load_settings(serve).cuda_graphs == "off"
+    assert load_settings(build_parser().parse_args(["serve"])).cuda_graphs is None
