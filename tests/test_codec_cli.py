@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import soundfile as sf
 
+from engine.manifest import FORMAT_VERSION
 from conftest import GOLDEN, golden, tolerance
 from engine.codec import MAX_FRAMES_PER_CALL
 
@@ -26,7 +27,7 @@ def test_manifest_lists_graphs_and_hashes(codec_bundle_dir, tmp_path):
     import hashlib
 
     m = json.loads((codec_bundle_dir / "manifest.json").read_text())
-    assert m["format"] == "mossrt-bundle" and m["format_version"] == 3
+    assert m["format"] == "mossrt-bundle" and m["format_version"] == FORMAT_VERSION
     assert set(m["graphs"]) >= {"codec_encoder", "codec_decoder"}
     dec = m["graphs"]["codec_decoder"]
     names = [i["name"] for i in dec["inputs"]]

@@ -47,6 +47,7 @@ def codes_of(frames):
 
 
 # ---------------------------------------------------------------------------------------------- parity
+@exact_codes
 @pytest.mark.parametrize("chunks", [[1] * 40, [12], [5, 7, 3, 20], [36]])
 def test_streamed_token_ids_reproduce_upstream_frames(model, chunks):
     g = golden("tts/tts_streaming.npz")
@@ -147,6 +148,7 @@ def test_app_text_only_user_turn(model):
                                   g["nonstream_codes"])
 
 
+@exact_codes
 def test_turn_audio_matches_upstream_bridge_audio(model):
     """Upstream's bridge decodes 3-frame chunks inside codec.streaming (exact below 10 s); our frame-by-
     frame audio, one frame's 1920 samples with each frame, equals it."""
@@ -176,6 +178,7 @@ def test_multiturn_audio_matches_upstream(model):
 
 
 # ---------------------------------------------------------------------------------------------- pacing
+@exact_codes
 def test_pacing_prefill_at_12th_id_no_pad_before_end(model):
     g = golden("tts/tts_streaming.npz")
     ids = list(g["streamed_text_ids"])

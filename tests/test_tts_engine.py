@@ -69,6 +69,7 @@ def test_greedy_codes_identical(model, case, penalty, prefix):
     np.testing.assert_array_equal(gen.rows[0], g["prefill_ids"])
 
 
+@exact_codes
 def test_same_ids_as_upstream_streaming(model):
     """The non-streaming loop on upstream's streamed ids equals upstream's (``nonstream_same_ids_codes``)."""
     from engine.generate import generate
@@ -104,6 +105,7 @@ def test_max_frames_limit(model):
     np.testing.assert_array_equal(gen.codes, golden("tts/tts_text_only.npz")["greedy_rep_codes"][:least])
 
 
+@exact_codes
 def test_synth_greedy_waveform_equals_one_pass_decode(full_bundle_dir, model, tmp_path):
     g = golden("tts/tts_text_only.npz")
     out, codes_out = tmp_path / "s.wav", tmp_path / "c.npy"
