@@ -366,22 +366,25 @@ def sampler_rows(gb: GraphBuilder, penalty: str, temperature: str, top_k: str, t
         return SamplerRows(penalty=row(penalty), temperature=row(temp), kth=kth, cut=cut)
 
 
-def history_marks(gb: GraphBuilder, history: str, vocab: int) -> str:
-    """history [B, W, N] → seen [B, N, V]: whether each vocab id occurs in codebook n's window. Ones are
-    scattered at the window's ids into a [B, N, V + 1] map (the history pad V lands in the extra column):
-    O(window), not O(window x V), and computed once for all codebooks."""
+def history_marks(gb: GraphBuilder, history: str, vocab: int, penalty: str) -> str:
+    """history [B, W, N] + penalty [B, 1, 1] → the repetition penalty of each id [B, N, V]: ``penalty``
+    where the id occurs in codebook n's window, 1 elsewhere (dividing or multiplying by 1 is exact, so
+    the filter needs no per-codebook select of its own). Ones are scattered at the window's ids into a
+    [B, N, V + 1] map (the history pad V lands in the extra column): O(window), not O(window x V), and
+    computed once for all codebooks."""
     with gb.scope("sampling.repetition_penalty"):
         ids = gb.transpose(history, [0, 2, 1])                                              # [B, N, W]
         marks = gb.zeros(gb.concat([gb.op("Shape", [ids], start=0, end=2), gb.const([vocab + 1], np.int64)], 0))
         marks = gb.op("ScatterElements", [marks, ids, gb.op("Expand", [gb.const(1.0), gb.op("Shape", [ids])])],
                       axis=-1)
-        return gb.op("Greater", [gb.op("Slice", [marks, gb.const([0], np.int64), gb.const([vocab], np.int64),
+        seen = gb.op("Greater", [gb.op("Slice", [marks, gb.const([0], np.int64), gb.const([vocab], np.int64),
                                                  gb.const([2], np.int64)]), gb.const(0.0)])
+        return gb.op("Where", [seen, penalty, gb.const(1.0)])
 
 
-def filter_logits(gb: GraphBuilder, logits: str, seen: str, rows: SamplerRows, vocab: int) -> tuple[str, str, str]:
-    """The upstream ``sample_token`` filter chain on logits [B, N, V] with ``seen`` [B, N, V] from
-    :func:`history_marks`. Returns ``(penalized, filtered, probs)``:
+def filter_logits(gb: GraphBuilder, logits: str, penalties: str, rows: SamplerRows, vocab: int) -> tuple[str, str, str]:
+    """The upstream ``sample_token`` filter chain on logits [B, N, V] with the per-id ``penalties``
+    [B, N, V] from :func:`history_marks`. Returns ``(penalized, filtered, probs)``:
 
     * penalized: repetition penalty on the ids seen in the window (x<0 → x*pen, else x/pen; each id once);
     * filtered: penalized / temperature, then top-k (keep logits >= the k-th largest; k <= 0 or k >= V
@@ -396,10 +399,8 @@ def filter_logits(gb: GraphBuilder, logits: str, seen: str, rows: SamplerRows, v
     """
     neg_inf = gb.const(-np.inf)
     with gb.scope("sampling.repetition_penalty"):
-        pen = rows.penalty
-        punished = gb.op("Where", [gb.op("Less", [logits, gb.const(0.0)]), gb.op("Mul", [logits, pen]),
-                                   gb.op("Div", [logits, pen])])
-        penalized = gb.op("Where", [seen, punished, logits])
+        penalized = gb.op("Where", [gb.op("Less", [logits, gb.const(0.0)]), gb.op("Mul", [logits, penalties]),
+                                    gb.op("Div", [logits, penalties])])
     with gb.scope("sampling.temperature"):
         scaled = gb.op("Div", [penalized, rows.temperature])
     with gb.scope("sampling.top_k"):
@@ -421,20 +422,21 @@ def sampling_filter(gb: GraphBuilder, logits: str, history: str, penalty: str, t
                     top_k: str, top_p: str, vocab: int, books: int) -> tuple[str, str, str]:
     """:func:`filter_logits` on logits [B, N, V] with history [B, W, N] and per-row parameters [B]."""
     rows = sampler_rows(gb, penalty, temperature, top_k, top_p, vocab, books)
-    return filter_logits(gb, logits, history_marks(gb, history, vocab), rows, vocab)
+    return filter_logits(gb, logits, history_marks(gb, history, vocab, rows.penalty), rows, vocab)
 
 
-def _draw(gb: GraphBuilder, probs: str, uniform: str, vocab: int) -> str:
+def _draw(gb: GraphBuilder, probs: str, uniform: str, fallback: str, floor: str, vocab: int) -> str:
     """Inverse-CDF draw from probs [B, 1, V] with u [B, 1, 1] in [0, 1): the first index whose cumulative
-    probability exceeds ``u * total``; never an index of probability 0. → [B, 1, 1] int64."""
+    probability exceeds ``u * total``, where its probability exceeds ``floor`` [B, 1, 1], else ``fallback``
+    [B, 1, 1] int64. A floor of 0 never draws an index of probability 0; a floor of 2 (no probability
+    exceeds it) makes the row take ``fallback`` (greedy rows: one select for both). → [B, 1, 1] int64."""
     cdf = gb.op("CumSum", [probs, gb.const(-1, np.int64)])
     total = gb.op("Gather", [cdf, gb.const([vocab - 1], np.int64)], axis=-1)            # [B, 1, 1]
     count = gb.op("ReduceSum", [gb.cast(gb.op("LessOrEqual", [cdf, gb.op("Mul", [uniform, total])]), INT64),
                                 gb.const([-1], np.int64)], keepdims=1)                   # [B, 1, 1]
     idx = gb.op("Min", [count, gb.const([vocab - 1], np.int64)])
     picked = gb.op("GatherElements", [probs, idx], axis=-1)
-    return gb.op("Where", [gb.op("Greater", [picked, gb.const(0.0)]), idx,
-                           gb.op("ArgMax", [probs], axis=-1, keepdims=1)])
+    return gb.op("Where", [gb.op("Greater", [picked, floor]), idx, fallback])
 
 
 def build_sampling_filter(path: Path, vocab: int = AUDIO_VOCAB, rvq: int = RVQ) -> GraphBuilder:
@@ -525,15 +527,18 @@ def build_depth(ckpt: Checkpoint, cfg: TTSConfig, path: Path, weight_dtype, matm
     uniform = gb.input("uniform", FLOAT, ["batch", N])
     with gb.computing(np.float32):
         greedy = gb.unsqueeze(gb.op("Or", [greedy, gb.op("LessOrEqual", [temperature, gb.const(0.0)])]), [1, 2])
+        floor = gb.op("Where", [greedy, gb.const(2.0), gb.const(0.0)])      # greedy rows never take the draw
         rows = sampler_rows(gb, penalty, temperature, top_k, top_p, V, books=1)
-        # per-codebook slices, made once: the window's id marks [B, 1, V] and the uniforms [B, 1, 1]
-        seen = gb.op("Split", [history_marks(gb, history, V)], n_out=N, axis=1, num_outputs=N)
+        # per-codebook slices, made once: the window's id penalties [B, 1, V] and the uniforms [B, 1, 1]
+        pens = gb.op("Split", [history_marks(gb, history, V, rows.penalty)], n_out=N, axis=1, num_outputs=N)
         draws = gb.op("Split", [gb.unsqueeze(uniform, [2])], n_out=N, axis=1, num_outputs=N)
     with gb.scope("rotary"):
         # GroupQueryAttention's lengths: position p is the last of p + 1 valid rows
         no_rows = gb.op("ConstantOfShape", [gb.op("Shape", [hidden], start=0, end=1)],
                         value=helper.make_tensor("zero", INT32, [1], [0]))              # [B] int32
-        seqlens = [no_rows] + [gb.op("Add", [no_rows, gb.const(p, np.int32)]) for p in range(1, N)]
+        # all 16 at once: [N, B] = p + 0, flattened and split into N pieces of B
+        seqlens = gb.op("Split", [gb.reshape(gb.op("Add", [gb.const(np.arange(N)[:, None], np.int32), no_rows]), [-1])],
+                        n_out=N, axis=0, num_outputs=N)
         ropes = [gb.const(rope_matrix(s, p)) for p in range(N)]
         values = gb.const(np.arange(s.heads + 2 * s.kv_heads)[:, None] >= s.heads + s.kv_heads, np.bool_)
 
@@ -557,10 +562,12 @@ def build_depth(ckpt: Checkpoint, cfg: TTSConfig, path: Path, weight_dtype, matm
                 logits = gb.to_compute(gb.matmul(h, heads[p]), compute_dtype)              # [B, 1, V] float32
             all_logits.append(logits)
             with gb.computing(np.float32):
-                penalized, _, probs = filter_logits(gb, logits, seen[p], rows, V)
+                penalized, _, probs = filter_logits(gb, logits, pens[p], rows, V)
                 with gb.scope("sampling.draw"):
-                    argmax = gb.op("ArgMax", [penalized], axis=-1, keepdims=1)              # [B, 1, 1]
-                    code = gb.squeeze(gb.op("Where", [greedy, argmax, _draw(gb, probs, draws[p], V)]), [2])  # [B, 1]
+                    # greedy rows: argmax of the penalized logits; the others' draw falls back to the
+                    # most probable id: one ArgMax for both
+                    best = gb.op("ArgMax", [gb.op("Where", [greedy, penalized, probs])], axis=-1, keepdims=1)
+                    code = gb.squeeze(_draw(gb, probs, draws[p], best, floor, V), [2])      # [B, 1]
             codes.append(code)
             if p + 1 < N:
                 x = gb.embedding(code, ckpt.get(f"{LOCAL}.embed_tokens.{p}.weight", dtype=None),
