@@ -460,30 +460,41 @@ def _sampling_inputs(gb: GraphBuilder) -> tuple[str, str, str, str]:
 class DepthLayer(Layer):
     """A local-transformer layer at one position of the unrolled frame: :class:`Layer`'s packed projections,
     norms and MLP, with q/k RMSNorm as one SimplifiedLayerNormalization over every head of the packed
-    projection (unit scale, then each head's own weight; v heads pass through) and GroupQueryAttention over
-    this frame's earlier positions."""
+    projection (unit scale; each head's own weight is folded into its RoPE matrix; v heads pass through)
+    and GroupQueryAttention over this frame's earlier positions."""
 
     def __init__(self, gb: GraphBuilder, ckpt: Checkpoint, spec: StackSpec, index: int):
         super().__init__(gb, ckpt, spec, index)
-        ones = np.ones(spec.head_dim, np.float32)
-        self.unit = gb.weight(f"{self.name}.self_attn.qk_norm.unit", ones)
-        with gb.scope(f"{self.name}.self_attn.qk_norm"):   # [H + 2KV, D]: q_norm per q head, k_norm per k head, 1 for v
-            self.qk_norm = gb.concat([gb.op("Expand", [self.q_norm, gb.const([spec.heads, 1], np.int64)]),
-                                      gb.op("Expand", [self.k_norm, gb.const([spec.kv_heads, 1], np.int64)]),
-                                      gb.const(np.ones((spec.kv_heads, spec.head_dim)))], 0)
+        self.unit = gb.weight(f"{self.name}.self_attn.qk_norm.unit", np.ones(spec.head_dim, np.float32))
+        self.norms = [ckpt.get(f"{self.name}.self_attn.{n}_norm.weight").astype(np.float32) for n in "qk"]
+
+    def head_groups(self) -> int:
+        """The packed q/k/v heads in groups of ``kv_heads``: H / KV groups of q heads, one of k, one of v."""
+        return self.spec.heads // self.spec.kv_heads + 2
+
+    def rope_weight(self, gb: GraphBuilder, position: int) -> str:
+        """[G, D, D] per head group (:meth:`head_groups`): ``diag(norm) @ rope_matrix(position)`` with the
+        group's q/k norm weight (the v group's identity is never read), so ``normed @ M`` is the q/k
+        RMSNorm's scale and RoPE in one MatMul."""
+        s, groups = self.spec, self.head_groups()
+        m = rope_matrix(s, position)
+        mats = [self.norms[0][:, None] * m] * (groups - 2) + [self.norms[1][:, None] * m, np.eye(s.head_dim)]
+        return gb.tensor(f"{self.name}.self_attn.rotary.{position}",
+                         np.stack(mats).astype(gb.compute_dtype))
 
     def attend(self, gb: GraphBuilder, h: str, past: tuple[str, str] | None, seqlens: str, total: int,
-               rope: str, values: str) -> tuple[str, tuple[str, str]]:
+               values: str) -> tuple[str, tuple[str, str]]:
         """Normed input h [B, 1, hidden] at position ``total - 1`` → (attention output [B, 1, H*D] for
-        :meth:`post_attention`, the (key, value) cache [B, KV, total, D] for the next position). ``rope`` is this position's
-        rotate-half RoPE as a [D, D] matrix (cos on the diagonal, ±sin at the partner dimension: one MatMul
-        instead of split/negate/concat/mul/mul/add); ``values`` [H + 2KV, 1] marks the v heads, which
-        take neither norm nor rotation."""
+        :meth:`post_attention`, the (key, value) cache [B, KV, total, D] for the next position). The q/k
+        norm weights and this position's rotate-half RoPE are one batched MatMul (:meth:`rope_weight`:
+        cos on the diagonal, ±sin at the partner dimension, rows scaled by the norm weight: one node
+        instead of mul/split/negate/concat/mul/mul/add); ``values`` [G, 1, 1] marks the v group, which
+        takes neither norm nor rotation."""
         s = self.spec
         with gb.scope(f"{self.name}.self_attn"):
-            qkv = gb.reshape(gb.matmul(h, self.qkv_proj), [0, -1, s.head_dim])               # [B, H+2KV, D]
-            qk = gb.op("Mul", [gb.rms_norm_named(qkv, self.unit, s.rms_eps), self.qk_norm])  # q/k RMSNorm
-            qkv = gb.op("Where", [values, qkv, gb.op("MatMul", [qk, rope])])
+            qkv = gb.reshape(gb.matmul(h, self.qkv_proj), [0, self.head_groups(), s.kv_heads, s.head_dim])
+            normed = gb.rms_norm_named(qkv, self.unit, s.rms_eps)                            # [B, G, KV, D]
+            qkv = gb.op("Where", [values, qkv, gb.op("MatMul", [normed, self.rope_weight(gb, total - 1)])])
             present = (gb.fresh("present_key"), gb.fresh("present_value"))
             inputs = [gb.reshape(qkv, [0, 1, -1]), "", ""] + (list(past) if past else ["", ""])
             att = gb.op("GroupQueryAttention", inputs + [seqlens, gb.const(total, np.int32)],
@@ -539,8 +550,8 @@ def build_depth(ckpt: Checkpoint, cfg: TTSConfig, path: Path, weight_dtype, matm
         # all 16 at once: [N, B] = p + 0, flattened and split into N pieces of B
         seqlens = gb.op("Split", [gb.reshape(gb.op("Add", [gb.const(np.arange(N)[:, None], np.int32), no_rows]), [-1])],
                         n_out=N, axis=0, num_outputs=N)
-        ropes = [gb.const(rope_matrix(s, p)) for p in range(N)]
-        values = gb.const(np.arange(s.heads + 2 * s.kv_heads)[:, None] >= s.heads + s.kv_heads, np.bool_)
+        groups = s.heads // s.kv_heads + 2
+        values = gb.const((np.arange(groups) == groups - 1)[:, None, None], np.bool_)   # the v group
 
     layers = [DepthLayer(gb, ckpt, s, i) for i in range(s.layers)]
     final_norm = gb.weight(f"{LOCAL}.norm.weight", ckpt.get(f"{LOCAL}.norm.weight"))
@@ -553,7 +564,7 @@ def build_depth(ckpt: Checkpoint, cfg: TTSConfig, path: Path, weight_dtype, matm
             delta = None
             for li, layer in enumerate(layers):
                 h, x = layer.input_norm(gb, x, delta)
-                att, caches[li] = layer.attend(gb, h, caches[li], seqlens[p], p + 1, ropes[p], values)
+                att, caches[li] = layer.attend(gb, h, caches[li], seqlens[p], p + 1, values)
                 h, x = layer.post_attention(gb, x, att)
                 delta = layer.mlp(gb, h)
             with gb.scope(f"{LOCAL}.norm"):
