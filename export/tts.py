@@ -214,7 +214,8 @@ class Layer:
     q/k/v are one packed projection (``self_attn.qkv_proj``) and gate/up another (``mlp.gate_up_proj``),
     each split after its matmul; Qwen3's q/k RMSNorm sits between the projection and RoPE, which is why
     the packed output is split rather than handed to the attention op packed. Residual adds are fused
-    into the following norm (``SkipSimplifiedLayerNormalization``).
+    into the following norm (``SkipSimplifiedLayerNormalization``). The q/k norm weights (``norms``) are
+    kept as arrays: each graph lays them out for its own fused q/k path.
     """
 
     def __init__(self, gb: GraphBuilder, ckpt: Checkpoint, spec: StackSpec, index: int):
@@ -223,7 +224,7 @@ class Layer:
         vec = lambda n: gb.weight(f"{lp}.{n}", ckpt.get(f"{lp}.{n}"))
         mat = lambda n: ckpt.get(f"{lp}.{n}.weight")
         self.ln1, self.ln2 = vec("input_layernorm.weight"), vec("post_attention_layernorm.weight")
-        self.q_norm, self.k_norm = vec("self_attn.q_norm.weight"), vec("self_attn.k_norm.weight")
+        self.norms = [ckpt.get(f"{lp}.self_attn.{n}_norm.weight").astype(np.float32) for n in "qk"]
         self.qkv_proj = gb.matmul_weight(np.concatenate([mat(f"self_attn.{n}_proj") for n in "qkv"]),
                                     f"{lp}.self_attn.qkv_proj")
         self.o = gb.matmul_weight(mat("self_attn.o_proj"), f"{lp}.self_attn.o_proj")
@@ -239,14 +240,25 @@ class Layer:
                 return gb.rms_norm_named(x, self.ln1, self.spec.rms_eps), x
             return gb.skip_rms_norm(x, delta, self.ln1, self.spec.rms_eps)
 
-    def heads(self, gb: GraphBuilder, h: str) -> tuple[str, str, str]:
-        """Normed input [B, T, hidden] → time-major q [B, T, H, D], k and v [B, T, KV, D]: the packed
-        projection, split, then q/k RMSNorm over head_dim (no RoPE)."""
+    def rotated_heads(self, gb: GraphBuilder, h: str, positions: str, cos: str, sin: str) -> tuple[str, str, str]:
+        """Normed input [B, T, hidden] → q [B, T, H*D], k and v [B, T, KV*D] for GroupQueryAttention: the packed
+        projection split into q+k and v; q and k as one tensor of H + KV heads through one RMSNorm over
+        head_dim (unit scale, then each head's weight: ``qk_norm`` [H + KV, D]) and one RotaryEmbedding at
+        ``positions`` (every head of a row shares its position), then split."""
         s = self.spec
+        qk_heads = s.heads + s.kv_heads
         with gb.scope(f"{self.name}.self_attn"):
-            qkv = gb.reshape(gb.matmul(h, self.qkv_proj), [0, 0, s.heads + 2 * s.kv_heads, s.head_dim])
-            q, k, v = gb.op("Split", [qkv, gb.const([s.heads, s.kv_heads, s.kv_heads], np.int64)], n_out=3, axis=2)
-            return gb.rms_norm_named(q, self.q_norm, s.rms_eps), gb.rms_norm_named(k, self.k_norm, s.rms_eps), v
+            unit = gb.weight(f"{self.name}.self_attn.qk_norm.unit", np.ones(s.head_dim, np.float32))
+            rows = gb.tensor(f"{self.name}.self_attn.qk_norm", np.concatenate(
+                [np.tile(self.norms[0], (s.heads, 1)), np.tile(self.norms[1], (s.kv_heads, 1))]).astype(gb.compute_dtype))
+            qk, v = gb.op("Split", [gb.matmul(h, self.qkv_proj), gb.const([qk_heads * s.head_dim, s.kv_heads * s.head_dim],
+                                                                          np.int64)], n_out=2, axis=-1)
+            qk = gb.op("Mul", [gb.rms_norm_named(gb.reshape(qk, [0, 0, qk_heads, s.head_dim]), unit, s.rms_eps), rows])
+            qk = gb.op("RotaryEmbedding", [gb.reshape(qk, [0, 0, qk_heads * s.head_dim]), positions, cos, sin],
+                       domain="com.microsoft", interleaved=0, num_heads=qk_heads)
+            q, k = gb.op("Split", [qk, gb.const([s.heads * s.head_dim, s.kv_heads * s.head_dim], np.int64)], n_out=2,
+                         axis=-1)
+            return q, k, v
 
     def post_attention(self, gb: GraphBuilder, x: str, att: str) -> tuple[str, str]:
         """o_proj of the attention output [B, T, H*D], added to the stream inside the post-attention
@@ -313,14 +325,11 @@ def build_backbone(ckpt: Checkpoint, cfg: TTSConfig, path: Path, weight_dtype, m
         gb.input(pk, gb.float_type, kv_shape)
         gb.input(pv, gb.float_type, kv_shape)
         h, x = layer.input_norm(gb, x, delta)
-        q, k, v = layer.heads(gb, h)
+        q, k, v = layer.rotated_heads(gb, h, positions, cos, sin)
         with gb.scope(f"{layer.name}.self_attn"):
-            q, k = (gb.op("RotaryEmbedding", [gb.reshape(t, [0, 0, n * s.head_dim]), positions, cos, sin],
-                          domain="com.microsoft", interleaved=0, num_heads=n)
-                    for t, n in ((q, s.heads), (k, s.kv_heads)))
             att = gb.op(
                 "GroupQueryAttention",
-                [q, k, gb.reshape(v, [0, 0, s.kv_heads * s.head_dim]), pk, pv, seqlens, total],
+                [q, k, v, pk, pv, seqlens, total],
                 outs=[gb.fresh("attn"), ok, ov], domain="com.microsoft", num_heads=s.heads,
                 kv_num_heads=s.kv_heads, scale=1.0 / math.sqrt(s.head_dim))[0]
         h, x = layer.post_attention(gb, x, att)
