@@ -130,24 +130,24 @@ def _unpatch(gb: GraphBuilder, x: str, h: int, channels: int) -> str:
     return gb.reshape(gb.transpose(y, [0, 1, 3, 2]), [0, -1, channels // h])
 
 
-def _window_bias(gb: GraphBuilder, pos0: str, pos: str, past_rows: int, context: int) -> str:
-    """Additive attention bias [B, 1, T, C+T] for queries at ``pos[b, i] = pos0[b] + i`` over the ring and
-    the new rows.
+def _window_bias(gb: GraphBuilder, P: str, pos: str, past_rows: int, context: int) -> str:
+    """Additive attention bias [B, 1, T, C+T] for queries at ``pos[b, i] = P[b, 0] + i`` (``P`` [B, 1]) over
+    the ring and the new rows.
 
     Ring slot j holds position ``P - C + ((j - P) mod C)`` (valid when >= 0), new row k position ``P + k``;
-    a key is visible to a query iff it is valid and ``0 <= q - k < context``.
+    a key is visible to a query iff it is valid and ``0 <= q - k < context``. Keys and queries are made
+    4-D ([B, 1, 1, C+T] and [B, 1, T, 1]), so the mask comes out in the bias's shape.
     """
     C = past_rows
-    P = gb.unsqueeze(pos0, [1])                                               # [B, 1]
     ring = gb.op("Add", [gb.op("Sub", [P, gb.const(C, np.int64)]),
                          gb.op("Mod", [gb.op("Sub", [gb.const(np.arange(C)[None, :], np.int64), P]),
                                        gb.const(C, np.int64)], fmod=0)])       # [B, C]
-    keys = gb.unsqueeze(gb.concat([ring, pos], 1), [1])                       # [B, 1, C+T]
-    d = gb.op("Sub", [gb.unsqueeze(pos, [2]), keys])                          # [B, T, C+T]
+    keys = gb.unsqueeze(gb.concat([ring, pos], 1), [1, 2])                    # [B, 1, 1, C+T]
+    d = gb.op("Sub", [gb.unsqueeze(pos, [1, 3]), keys])                       # [B, 1, T, C+T]
     zero = gb.const(0, np.int64)
     ok = gb.op("And", [gb.op("And", [gb.op("GreaterOrEqual", [keys, zero]), gb.op("GreaterOrEqual", [d, zero])]),
                        gb.op("Less", [d, gb.const(context, np.int64)])])
-    return gb.unsqueeze(gb.op("Where", [ok, gb.const(0.0), gb.const(np.finfo(np.float32).min)]), [1])
+    return gb.op("Where", [ok, gb.const(0.0), gb.const(np.finfo(np.float32).min)])
 
 
 def past_names(side: str, stage: int, layer: int) -> tuple[str, str]:
@@ -161,7 +161,7 @@ def _rotary_tables(gb: GraphBuilder, pos: str, spec: StageSpec) -> tuple[str, st
     freqs = exp(i * -ln(max_period) * 2 / D), angles pos * freqs in float32."""
     Dh = spec.head_dim
     freqs = np.exp(np.arange(Dh // 2, dtype=np.float32) * np.float32(-math.log(spec.max_period) * 2 / Dh))
-    ang = gb.reshape(gb.op("Mul", [gb.unsqueeze(gb.cast(pos, FLOAT), [2]), gb.const(freqs)]), [-1, Dh // 2])
+    ang = gb.op("Mul", [gb.cast(gb.reshape(pos, [-1, 1]), FLOAT), gb.const(freqs)])          # [B*T, D/2]
     ids = gb.op("Reshape", [gb.arange(gb.op("Size", [pos])), gb.op("Shape", [pos])])
     return ids, gb.op("Cos", [ang]), gb.op("Sin", [ang])
 
@@ -188,8 +188,8 @@ def _stage(gb: GraphBuilder, ckpt: Checkpoint, x: str, spec: StageSpec, frame_po
     elif spec.input_dim != D:
         raise CheckpointError(f"missing tensor {p}.input_proj.weight")
     n_new = gb.dim(x, 1)
-    pos0 = gb.op("Mul", [frame_pos, gb.const(spec.tokens_per_frame, np.int64)])
-    pos = gb.op("Add", [gb.unsqueeze(pos0, [1]), gb.unsqueeze(gb.arange(n_new), [0])])          # [B, T]
+    pos0 = gb.unsqueeze(gb.op("Mul", [frame_pos, gb.const(spec.tokens_per_frame, np.int64)]), [1])   # [B, 1]
+    pos = gb.op("Add", [pos0, gb.unsqueeze(gb.arange(n_new), [0])])                               # [B, T]
     bias = _window_bias(gb, pos0, pos, spec.past_rows, spec.context)
     rope = _rotary_tables(gb, pos, spec)
     presents, delta = [], None
