@@ -187,9 +187,9 @@ def _stage(gb: GraphBuilder, ckpt: Checkpoint, x: str, spec: StageSpec, frame_po
         x = gb.linear(x, ckpt.get(f"{p}.input_proj.weight"), f"{p}.input_proj")
     elif spec.input_dim != D:
         raise CheckpointError(f"missing tensor {p}.input_proj.weight")
-    n_new = gb.dim(x, 1)
+    rows = gb.op("Shape", [x], start=1, end=2)                # [T]: the call's new rows, in and out of the stage
     pos0 = gb.unsqueeze(gb.op("Mul", [frame_pos, gb.const(spec.tokens_per_frame, np.int64)]), [1])   # [B, 1]
-    pos = gb.op("Add", [pos0, gb.unsqueeze(gb.arange(n_new), [0])])                               # [B, T]
+    pos = gb.op("Add", [pos0, gb.arange(gb.squeeze(rows, [0]))])                                  # [B, T]
     bias = _window_bias(gb, pos0, pos, spec.past_rows, spec.context)
     rope = _rotary_tables(gb, pos, spec)
     presents, delta = [], None
@@ -225,7 +225,7 @@ def _stage(gb: GraphBuilder, ckpt: Checkpoint, x: str, spec: StageSpec, frame_po
         raise CheckpointError(f"missing tensor {p}.output_proj.weight")
     # [k0, v0, k1, v1, ...] each [B, T, H*Dh] → [L, 2, B, T, H, Dh] → [L, 2, B, H, T, Dh]: one reshape and one
     # transpose per stage rather than per layer
-    shape = gb.concat([gb.const([spec.layers, 2, -1], np.int64), gb.op("Shape", [x], start=1, end=2),
+    shape = gb.concat([gb.const([spec.layers, 2, -1], np.int64), rows,
                        gb.const([H, Dh], np.int64)], 0)
     return x, gb.transpose(gb.op("Reshape", [gb.concat(presents, 0), shape]), [0, 1, 2, 4, 3, 5])
 
