@@ -130,24 +130,24 @@ def _unpatch(gb: GraphBuilder, x: str, h: int, channels: int) -> str:
     return gb.reshape(gb.transpose(y, [0, 1, 3, 2]), [0, -1, channels // h])
 
 
-def _window_bias(gb: GraphBuilder, pos0: str, pos: str, past_rows: int, context: int) -> str:
-    """Additive attention bias [B, 1, T, C+T] for queries at ``pos[b, i] = pos0[b] + i`` over the ring and
-    the new rows.
+def _window_bias(gb: GraphBuilder, P: str, pos: str, past_rows: int, context: int) -> str:
+    """Additive attention bias [B, 1, T, C+T] for queries at ``pos[b, i] = P[b, 0] + i`` (``P`` [B, 1]) over
+    the ring and the new rows.
 
     Ring slot j holds position ``P - C + ((j - P) mod C)`` (valid when >= 0), new row k position ``P + k``;
-    a key is visible to a query iff it is valid and ``0 <= q - k < context``.
+    a key is visible to a query iff it is valid and ``0 <= q - k < context``. Keys and queries are made
+    4-D ([B, 1, 1, C+T] and [B, 1, T, 1]), so the mask comes out in the bias's shape.
     """
     C = past_rows
-    P = gb.unsqueeze(pos0, [1])                                               # [B, 1]
     ring = gb.op("Add", [gb.op("Sub", [P, gb.const(C, np.int64)]),
                          gb.op("Mod", [gb.op("Sub", [gb.const(np.arange(C)[None, :], np.int64), P]),
                                        gb.const(C, np.int64)], fmod=0)])       # [B, C]
-    keys = gb.unsqueeze(gb.concat([ring, pos], 1), [1])                       # [B, 1, C+T]
-    d = gb.op("Sub", [gb.unsqueeze(pos, [2]), keys])                          # [B, T, C+T]
+    keys = gb.unsqueeze(gb.concat([ring, pos], 1), [1, 2])                    # [B, 1, 1, C+T]
+    d = gb.op("Sub", [gb.unsqueeze(pos, [1, 3]), keys])                       # [B, 1, T, C+T]
     zero = gb.const(0, np.int64)
     ok = gb.op("And", [gb.op("And", [gb.op("GreaterOrEqual", [keys, zero]), gb.op("GreaterOrEqual", [d, zero])]),
                        gb.op("Less", [d, gb.const(context, np.int64)])])
-    return gb.unsqueeze(gb.op("Where", [ok, gb.const(0.0), gb.const(np.finfo(np.float32).min)]), [1])
+    return gb.op("Where", [ok, gb.const(0.0), gb.const(np.finfo(np.float32).min)])
 
 
 def past_names(side: str, stage: int, layer: int) -> tuple[str, str]:
@@ -161,7 +161,7 @@ def _rotary_tables(gb: GraphBuilder, pos: str, spec: StageSpec) -> tuple[str, st
     freqs = exp(i * -ln(max_period) * 2 / D), angles pos * freqs in float32."""
     Dh = spec.head_dim
     freqs = np.exp(np.arange(Dh // 2, dtype=np.float32) * np.float32(-math.log(spec.max_period) * 2 / Dh))
-    ang = gb.reshape(gb.op("Mul", [gb.unsqueeze(gb.cast(pos, FLOAT), [2]), gb.const(freqs)]), [-1, Dh // 2])
+    ang = gb.op("Mul", [gb.cast(gb.reshape(pos, [-1, 1]), FLOAT), gb.const(freqs)])          # [B*T, D/2]
     ids = gb.op("Reshape", [gb.arange(gb.op("Size", [pos])), gb.op("Shape", [pos])])
     return ids, gb.op("Cos", [ang]), gb.op("Sin", [ang])
 
@@ -187,9 +187,9 @@ def _stage(gb: GraphBuilder, ckpt: Checkpoint, x: str, spec: StageSpec, frame_po
         x = gb.linear(x, ckpt.get(f"{p}.input_proj.weight"), f"{p}.input_proj")
     elif spec.input_dim != D:
         raise CheckpointError(f"missing tensor {p}.input_proj.weight")
-    n_new = gb.dim(x, 1)
-    pos0 = gb.op("Mul", [frame_pos, gb.const(spec.tokens_per_frame, np.int64)])
-    pos = gb.op("Add", [gb.unsqueeze(pos0, [1]), gb.unsqueeze(gb.arange(n_new), [0])])          # [B, T]
+    rows = gb.op("Shape", [x], start=1, end=2)                # [T]: the call's new rows, in and out of the stage
+    pos0 = gb.unsqueeze(gb.op("Mul", [frame_pos, gb.const(spec.tokens_per_frame, np.int64)]), [1])   # [B, 1]
+    pos = gb.op("Add", [pos0, gb.arange(gb.squeeze(rows, [0]))])                                  # [B, T]
     bias = _window_bias(gb, pos0, pos, spec.past_rows, spec.context)
     rope = _rotary_tables(gb, pos, spec)
     presents, delta = [], None
@@ -225,7 +225,7 @@ def _stage(gb: GraphBuilder, ckpt: Checkpoint, x: str, spec: StageSpec, frame_po
         raise CheckpointError(f"missing tensor {p}.output_proj.weight")
     # [k0, v0, k1, v1, ...] each [B, T, H*Dh] → [L, 2, B, T, H, Dh] → [L, 2, B, H, T, Dh]: one reshape and one
     # transpose per stage rather than per layer
-    shape = gb.concat([gb.const([spec.layers, 2, -1], np.int64), gb.op("Shape", [x], start=1, end=2),
+    shape = gb.concat([gb.const([spec.layers, 2, -1], np.int64), rows,
                        gb.const([H, Dh], np.int64)], 0)
     return x, gb.transpose(gb.op("Reshape", [gb.concat(presents, 0), shape]), [0, 1, 2, 4, 3, 5])
 

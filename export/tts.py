@@ -214,7 +214,8 @@ class Layer:
     q/k/v are one packed projection (``self_attn.qkv_proj``) and gate/up another (``mlp.gate_up_proj``),
     each split after its matmul; Qwen3's q/k RMSNorm sits between the projection and RoPE, which is why
     the packed output is split rather than handed to the attention op packed. Residual adds are fused
-    into the following norm (``SkipSimplifiedLayerNormalization``).
+    into the following norm (``SkipSimplifiedLayerNormalization``). The q/k norm weights (``norms``) are
+    kept as arrays: each graph lays them out for its own fused q/k path.
     """
 
     def __init__(self, gb: GraphBuilder, ckpt: Checkpoint, spec: StackSpec, index: int):
@@ -223,7 +224,7 @@ class Layer:
         vec = lambda n: gb.weight(f"{lp}.{n}", ckpt.get(f"{lp}.{n}"))
         mat = lambda n: ckpt.get(f"{lp}.{n}.weight")
         self.ln1, self.ln2 = vec("input_layernorm.weight"), vec("post_attention_layernorm.weight")
-        self.q_norm, self.k_norm = vec("self_attn.q_norm.weight"), vec("self_attn.k_norm.weight")
+        self.norms = [ckpt.get(f"{lp}.self_attn.{n}_norm.weight").astype(np.float32) for n in "qk"]
         self.qkv_proj = gb.matmul_weight(np.concatenate([mat(f"self_attn.{n}_proj") for n in "qkv"]),
                                     f"{lp}.self_attn.qkv_proj")
         self.o = gb.matmul_weight(mat("self_attn.o_proj"), f"{lp}.self_attn.o_proj")
@@ -239,14 +240,25 @@ class Layer:
                 return gb.rms_norm_named(x, self.ln1, self.spec.rms_eps), x
             return gb.skip_rms_norm(x, delta, self.ln1, self.spec.rms_eps)
 
-    def heads(self, gb: GraphBuilder, h: str) -> tuple[str, str, str]:
-        """Normed input [B, T, hidden] → time-major q [B, T, H, D], k and v [B, T, KV, D]: the packed
-        projection, split, then q/k RMSNorm over head_dim (no RoPE)."""
+    def rotated_heads(self, gb: GraphBuilder, h: str, positions: str, cos: str, sin: str) -> tuple[str, str, str]:
+        """Normed input [B, T, hidden] → q [B, T, H*D], k and v [B, T, KV*D] for GroupQueryAttention: the packed
+        projection split into q+k and v; q and k as one tensor of H + KV heads through one RMSNorm over
+        head_dim (unit scale, then each head's weight: ``qk_norm`` [H + KV, D]) and one RotaryEmbedding at
+        ``positions`` (every head of a row shares its position), then split."""
         s = self.spec
+        qk_heads = s.heads + s.kv_heads
         with gb.scope(f"{self.name}.self_attn"):
-            qkv = gb.reshape(gb.matmul(h, self.qkv_proj), [0, 0, s.heads + 2 * s.kv_heads, s.head_dim])
-            q, k, v = gb.op("Split", [qkv, gb.const([s.heads, s.kv_heads, s.kv_heads], np.int64)], n_out=3, axis=2)
-            return gb.rms_norm_named(q, self.q_norm, s.rms_eps), gb.rms_norm_named(k, self.k_norm, s.rms_eps), v
+            unit = gb.weight(f"{self.name}.self_attn.qk_norm.unit", np.ones(s.head_dim, np.float32))
+            rows = gb.tensor(f"{self.name}.self_attn.qk_norm", np.concatenate(
+                [np.tile(self.norms[0], (s.heads, 1)), np.tile(self.norms[1], (s.kv_heads, 1))]).astype(gb.compute_dtype))
+            qk, v = gb.op("Split", [gb.matmul(h, self.qkv_proj), gb.const([qk_heads * s.head_dim, s.kv_heads * s.head_dim],
+                                                                          np.int64)], n_out=2, axis=-1)
+            qk = gb.op("Mul", [gb.rms_norm_named(gb.reshape(qk, [0, 0, qk_heads, s.head_dim]), unit, s.rms_eps), rows])
+            qk = gb.op("RotaryEmbedding", [gb.reshape(qk, [0, 0, qk_heads * s.head_dim]), positions, cos, sin],
+                       domain="com.microsoft", interleaved=0, num_heads=qk_heads)
+            q, k = gb.op("Split", [qk, gb.const([s.heads * s.head_dim, s.kv_heads * s.head_dim], np.int64)], n_out=2,
+                         axis=-1)
+            return q, k, v
 
     def post_attention(self, gb: GraphBuilder, x: str, att: str) -> tuple[str, str]:
         """o_proj of the attention output [B, T, H*D], added to the stream inside the post-attention
@@ -313,14 +325,11 @@ def build_backbone(ckpt: Checkpoint, cfg: TTSConfig, path: Path, weight_dtype, m
         gb.input(pk, gb.float_type, kv_shape)
         gb.input(pv, gb.float_type, kv_shape)
         h, x = layer.input_norm(gb, x, delta)
-        q, k, v = layer.heads(gb, h)
+        q, k, v = layer.rotated_heads(gb, h, positions, cos, sin)
         with gb.scope(f"{layer.name}.self_attn"):
-            q, k = (gb.op("RotaryEmbedding", [gb.reshape(t, [0, 0, n * s.head_dim]), positions, cos, sin],
-                          domain="com.microsoft", interleaved=0, num_heads=n)
-                    for t, n in ((q, s.heads), (k, s.kv_heads)))
             att = gb.op(
                 "GroupQueryAttention",
-                [q, k, gb.reshape(v, [0, 0, s.kv_heads * s.head_dim]), pk, pv, seqlens, total],
+                [q, k, v, pk, pv, seqlens, total],
                 outs=[gb.fresh("attn"), ok, ov], domain="com.microsoft", num_heads=s.heads,
                 kv_num_heads=s.kv_heads, scale=1.0 / math.sqrt(s.head_dim))[0]
         h, x = layer.post_attention(gb, x, att)
@@ -366,22 +375,25 @@ def sampler_rows(gb: GraphBuilder, penalty: str, temperature: str, top_k: str, t
         return SamplerRows(penalty=row(penalty), temperature=row(temp), kth=kth, cut=cut)
 
 
-def history_marks(gb: GraphBuilder, history: str, vocab: int) -> str:
-    """history [B, W, N] → seen [B, N, V]: whether each vocab id occurs in codebook n's window. Ones are
-    scattered at the window's ids into a [B, N, V + 1] map (the history pad V lands in the extra column):
-    O(window), not O(window x V), and computed once for all codebooks."""
+def history_marks(gb: GraphBuilder, history: str, vocab: int, penalty: str) -> str:
+    """history [B, W, N] + penalty [B, 1, 1] → the repetition penalty of each id [B, N, V]: ``penalty``
+    where the id occurs in codebook n's window, 1 elsewhere (dividing or multiplying by 1 is exact, so
+    the filter needs no per-codebook select of its own). Ones are scattered at the window's ids into a
+    [B, N, V + 1] map (the history pad V lands in the extra column): O(window), not O(window x V), and
+    computed once for all codebooks."""
     with gb.scope("sampling.repetition_penalty"):
         ids = gb.transpose(history, [0, 2, 1])                                              # [B, N, W]
         marks = gb.zeros(gb.concat([gb.op("Shape", [ids], start=0, end=2), gb.const([vocab + 1], np.int64)], 0))
         marks = gb.op("ScatterElements", [marks, ids, gb.op("Expand", [gb.const(1.0), gb.op("Shape", [ids])])],
                       axis=-1)
-        return gb.op("Greater", [gb.op("Slice", [marks, gb.const([0], np.int64), gb.const([vocab], np.int64),
+        seen = gb.op("Greater", [gb.op("Slice", [marks, gb.const([0], np.int64), gb.const([vocab], np.int64),
                                                  gb.const([2], np.int64)]), gb.const(0.0)])
+        return gb.op("Where", [seen, penalty, gb.const(1.0)])
 
 
-def filter_logits(gb: GraphBuilder, logits: str, seen: str, rows: SamplerRows, vocab: int) -> tuple[str, str, str]:
-    """The upstream ``sample_token`` filter chain on logits [B, N, V] with ``seen`` [B, N, V] from
-    :func:`history_marks`. Returns ``(penalized, filtered, probs)``:
+def filter_logits(gb: GraphBuilder, logits: str, penalties: str, rows: SamplerRows, vocab: int) -> tuple[str, str, str]:
+    """The upstream ``sample_token`` filter chain on logits [B, N, V] with the per-id ``penalties``
+    [B, N, V] from :func:`history_marks`. Returns ``(penalized, filtered, probs)``:
 
     * penalized: repetition penalty on the ids seen in the window (x<0 → x*pen, else x/pen; each id once);
     * filtered: penalized / temperature, then top-k (keep logits >= the k-th largest; k <= 0 or k >= V
@@ -396,10 +408,8 @@ def filter_logits(gb: GraphBuilder, logits: str, seen: str, rows: SamplerRows, v
     """
     neg_inf = gb.const(-np.inf)
     with gb.scope("sampling.repetition_penalty"):
-        pen = rows.penalty
-        punished = gb.op("Where", [gb.op("Less", [logits, gb.const(0.0)]), gb.op("Mul", [logits, pen]),
-                                   gb.op("Div", [logits, pen])])
-        penalized = gb.op("Where", [seen, punished, logits])
+        penalized = gb.op("Where", [gb.op("Less", [logits, gb.const(0.0)]), gb.op("Mul", [logits, penalties]),
+                                    gb.op("Div", [logits, penalties])])
     with gb.scope("sampling.temperature"):
         scaled = gb.op("Div", [penalized, rows.temperature])
     with gb.scope("sampling.top_k"):
@@ -421,20 +431,21 @@ def sampling_filter(gb: GraphBuilder, logits: str, history: str, penalty: str, t
                     top_k: str, top_p: str, vocab: int, books: int) -> tuple[str, str, str]:
     """:func:`filter_logits` on logits [B, N, V] with history [B, W, N] and per-row parameters [B]."""
     rows = sampler_rows(gb, penalty, temperature, top_k, top_p, vocab, books)
-    return filter_logits(gb, logits, history_marks(gb, history, vocab), rows, vocab)
+    return filter_logits(gb, logits, history_marks(gb, history, vocab, rows.penalty), rows, vocab)
 
 
-def _draw(gb: GraphBuilder, probs: str, uniform: str, vocab: int) -> str:
+def _draw(gb: GraphBuilder, probs: str, uniform: str, fallback: str, floor: str, vocab: int) -> str:
     """Inverse-CDF draw from probs [B, 1, V] with u [B, 1, 1] in [0, 1): the first index whose cumulative
-    probability exceeds ``u * total``; never an index of probability 0. → [B, 1, 1] int64."""
+    probability exceeds ``u * total``, where its probability exceeds ``floor`` [B, 1, 1], else ``fallback``
+    [B, 1, 1] int64. A floor of 0 never draws an index of probability 0; a floor of 2 (no probability
+    exceeds it) makes the row take ``fallback`` (greedy rows: one select for both). → [B, 1, 1] int64."""
     cdf = gb.op("CumSum", [probs, gb.const(-1, np.int64)])
     total = gb.op("Gather", [cdf, gb.const([vocab - 1], np.int64)], axis=-1)            # [B, 1, 1]
     count = gb.op("ReduceSum", [gb.cast(gb.op("LessOrEqual", [cdf, gb.op("Mul", [uniform, total])]), INT64),
                                 gb.const([-1], np.int64)], keepdims=1)                   # [B, 1, 1]
     idx = gb.op("Min", [count, gb.const([vocab - 1], np.int64)])
     picked = gb.op("GatherElements", [probs, idx], axis=-1)
-    return gb.op("Where", [gb.op("Greater", [picked, gb.const(0.0)]), idx,
-                           gb.op("ArgMax", [probs], axis=-1, keepdims=1)])
+    return gb.op("Where", [gb.op("Greater", [picked, floor]), idx, fallback])
 
 
 def build_sampling_filter(path: Path, vocab: int = AUDIO_VOCAB, rvq: int = RVQ) -> GraphBuilder:
@@ -458,30 +469,41 @@ def _sampling_inputs(gb: GraphBuilder) -> tuple[str, str, str, str]:
 class DepthLayer(Layer):
     """A local-transformer layer at one position of the unrolled frame: :class:`Layer`'s packed projections,
     norms and MLP, with q/k RMSNorm as one SimplifiedLayerNormalization over every head of the packed
-    projection (unit scale, then each head's own weight; v heads pass through) and GroupQueryAttention over
-    this frame's earlier positions."""
+    projection (unit scale; each head's own weight is folded into its RoPE matrix; v heads pass through)
+    and GroupQueryAttention over this frame's earlier positions."""
 
     def __init__(self, gb: GraphBuilder, ckpt: Checkpoint, spec: StackSpec, index: int):
         super().__init__(gb, ckpt, spec, index)
-        ones = np.ones(spec.head_dim, np.float32)
-        self.unit = gb.weight(f"{self.name}.self_attn.qk_norm.unit", ones)
-        with gb.scope(f"{self.name}.self_attn.qk_norm"):   # [H + 2KV, D]: q_norm per q head, k_norm per k head, 1 for v
-            self.qk_norm = gb.concat([gb.op("Expand", [self.q_norm, gb.const([spec.heads, 1], np.int64)]),
-                                      gb.op("Expand", [self.k_norm, gb.const([spec.kv_heads, 1], np.int64)]),
-                                      gb.const(np.ones((spec.kv_heads, spec.head_dim)))], 0)
+        self.unit = gb.weight(f"{self.name}.self_attn.qk_norm.unit", np.ones(spec.head_dim, np.float32))
+        self.norms = [ckpt.get(f"{self.name}.self_attn.{n}_norm.weight").astype(np.float32) for n in "qk"]
+
+    def head_groups(self) -> int:
+        """The packed q/k/v heads in groups of ``kv_heads``: H / KV groups of q heads, one of k, one of v."""
+        return self.spec.heads // self.spec.kv_heads + 2
+
+    def rope_weight(self, gb: GraphBuilder, position: int) -> str:
+        """[G, D, D] per head group (:meth:`head_groups`): ``diag(norm) @ rope_matrix(position)`` with the
+        group's q/k norm weight (the v group's identity is never read), so ``normed @ M`` is the q/k
+        RMSNorm's scale and RoPE in one MatMul."""
+        s, groups = self.spec, self.head_groups()
+        m = rope_matrix(s, position)
+        mats = [self.norms[0][:, None] * m] * (groups - 2) + [self.norms[1][:, None] * m, np.eye(s.head_dim)]
+        return gb.tensor(f"{self.name}.self_attn.rotary.{position}",
+                         np.stack(mats).astype(gb.compute_dtype))
 
     def attend(self, gb: GraphBuilder, h: str, past: tuple[str, str] | None, seqlens: str, total: int,
-               rope: str, values: str) -> tuple[str, tuple[str, str]]:
+               values: str) -> tuple[str, tuple[str, str]]:
         """Normed input h [B, 1, hidden] at position ``total - 1`` → (attention output [B, 1, H*D] for
-        :meth:`post_attention`, the (key, value) cache [B, KV, total, D] for the next position). ``rope`` is this position's
-        rotate-half RoPE as a [D, D] matrix (cos on the diagonal, ±sin at the partner dimension: one MatMul
-        instead of split/negate/concat/mul/mul/add); ``values`` [H + 2KV, 1] marks the v heads, which
-        take neither norm nor rotation."""
+        :meth:`post_attention`, the (key, value) cache [B, KV, total, D] for the next position). The q/k
+        norm weights and this position's rotate-half RoPE are one batched MatMul (:meth:`rope_weight`:
+        cos on the diagonal, ±sin at the partner dimension, rows scaled by the norm weight: one node
+        instead of mul/split/negate/concat/mul/mul/add); ``values`` [G, 1, 1] marks the v group, which
+        takes neither norm nor rotation."""
         s = self.spec
         with gb.scope(f"{self.name}.self_attn"):
-            qkv = gb.reshape(gb.matmul(h, self.qkv_proj), [0, -1, s.head_dim])               # [B, H+2KV, D]
-            qk = gb.op("Mul", [gb.rms_norm_named(qkv, self.unit, s.rms_eps), self.qk_norm])  # q/k RMSNorm
-            qkv = gb.op("Where", [values, qkv, gb.op("MatMul", [qk, rope])])
+            qkv = gb.reshape(gb.matmul(h, self.qkv_proj), [0, self.head_groups(), s.kv_heads, s.head_dim])
+            normed = gb.rms_norm_named(qkv, self.unit, s.rms_eps)                            # [B, G, KV, D]
+            qkv = gb.op("Where", [values, qkv, gb.op("MatMul", [normed, self.rope_weight(gb, total - 1)])])
             present = (gb.fresh("present_key"), gb.fresh("present_value"))
             inputs = [gb.reshape(qkv, [0, 1, -1]), "", ""] + (list(past) if past else ["", ""])
             att = gb.op("GroupQueryAttention", inputs + [seqlens, gb.const(total, np.int32)],
@@ -526,17 +548,20 @@ def build_depth(ckpt: Checkpoint, cfg: TTSConfig, path: Path, weight_dtype, matm
     uniform = gb.input("uniform", FLOAT, ["batch", N])
     with gb.computing(np.float32):
         greedy = gb.unsqueeze(gb.op("Or", [greedy, gb.op("LessOrEqual", [temperature, gb.const(0.0)])]), [1, 2])
+        floor = gb.op("Where", [greedy, gb.const(2.0), gb.const(0.0)])      # greedy rows never take the draw
         rows = sampler_rows(gb, penalty, temperature, top_k, top_p, V, books=1)
-        # per-codebook slices, made once: the window's id marks [B, 1, V] and the uniforms [B, 1, 1]
-        seen = gb.op("Split", [history_marks(gb, history, V)], n_out=N, axis=1, num_outputs=N)
+        # per-codebook slices, made once: the window's id penalties [B, 1, V] and the uniforms [B, 1, 1]
+        pens = gb.op("Split", [history_marks(gb, history, V, rows.penalty)], n_out=N, axis=1, num_outputs=N)
         draws = gb.op("Split", [gb.unsqueeze(uniform, [2])], n_out=N, axis=1, num_outputs=N)
     with gb.scope("rotary"):
         # GroupQueryAttention's lengths: position p is the last of p + 1 valid rows
         no_rows = gb.op("ConstantOfShape", [gb.op("Shape", [hidden], start=0, end=1)],
                         value=helper.make_tensor("zero", INT32, [1], [0]))              # [B] int32
-        seqlens = [no_rows] + [gb.op("Add", [no_rows, gb.const(p, np.int32)]) for p in range(1, N)]
-        ropes = [gb.const(rope_matrix(s, p)) for p in range(N)]
-        values = gb.const(np.arange(s.heads + 2 * s.kv_heads)[:, None] >= s.heads + s.kv_heads, np.bool_)
+        # all 16 at once: [N, B] = p + 0, flattened and split into N pieces of B
+        seqlens = gb.op("Split", [gb.reshape(gb.op("Add", [gb.const(np.arange(N)[:, None], np.int32), no_rows]), [-1])],
+                        n_out=N, axis=0, num_outputs=N)
+        groups = s.heads // s.kv_heads + 2
+        values = gb.const((np.arange(groups) == groups - 1)[:, None, None], np.bool_)   # the v group
 
     layers = [DepthLayer(gb, ckpt, s, i) for i in range(s.layers)]
     final_norm = gb.weight(f"{LOCAL}.norm.weight", ckpt.get(f"{LOCAL}.norm.weight"))
@@ -549,7 +574,7 @@ def build_depth(ckpt: Checkpoint, cfg: TTSConfig, path: Path, weight_dtype, matm
             delta = None
             for li, layer in enumerate(layers):
                 h, x = layer.input_norm(gb, x, delta)
-                att, caches[li] = layer.attend(gb, h, caches[li], seqlens[p], p + 1, ropes[p], values)
+                att, caches[li] = layer.attend(gb, h, caches[li], seqlens[p], p + 1, values)
                 h, x = layer.post_attention(gb, x, att)
                 delta = layer.mlp(gb, h)
             with gb.scope(f"{LOCAL}.norm"):
@@ -558,10 +583,12 @@ def build_depth(ckpt: Checkpoint, cfg: TTSConfig, path: Path, weight_dtype, matm
                 logits = gb.to_compute(gb.matmul(h, heads[p]), compute_dtype)              # [B, 1, V] float32
             all_logits.append(logits)
             with gb.computing(np.float32):
-                penalized, _, probs = filter_logits(gb, logits, seen[p], rows, V)
+                penalized, _, probs = filter_logits(gb, logits, pens[p], rows, V)
                 with gb.scope("sampling.draw"):
-                    argmax = gb.op("ArgMax", [penalized], axis=-1, keepdims=1)              # [B, 1, 1]
-                    code = gb.squeeze(gb.op("Where", [greedy, argmax, _draw(gb, probs, draws[p], V)]), [2])  # [B, 1]
+                    # greedy rows: argmax of the penalized logits; the others' draw falls back to the
+                    # most probable id: one ArgMax for both
+                    best = gb.op("ArgMax", [gb.op("Where", [greedy, penalized, probs])], axis=-1, keepdims=1)
+                    code = gb.squeeze(_draw(gb, probs, draws[p], best, floor, V), [2])      # [B, 1]
             codes.append(code)
             if p + 1 < N:
                 x = gb.embedding(code, ckpt.get(f"{LOCAL}.embed_tokens.{p}.weight", dtype=None),

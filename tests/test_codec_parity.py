@@ -180,4 +180,4 @@ def test_decoder_is_written_with_fused_ops(codec_bundle_dir):
     assert ops.count("RotaryEmbedding") == 2 * layers
     assert not {"Softmax", "Erf"} & set(ops)
     assert ops.count("Cos") == len(stages)                                  # one rotary table per stage
-    assert len(nodes) <= 235, len(nodes)
+    assert len(nodes) <= 211, len(nodes)
