@@ -66,6 +66,17 @@ def _graph(name: str, nodes, inputs, outputs) -> bytes:
     return model.SerializeToString()
 
 
+def helper_options() -> ort.SessionOptions:
+    """Options of the engine's small in-place graphs (fills, slot and ring copies): one thread. They move
+    memory; a default intra-op pool would only spin its threads after every run, taking CPU from the step
+    graphs on the same cores."""
+    opts = ort.SessionOptions()
+    opts.log_severity_level = 3
+    opts.intra_op_num_threads = 1
+    opts.inter_op_num_threads = 1
+    return opts
+
+
 class ZeroFill:
     """Sets device tensors to zero in place (ConstantOfShape written into their memory). Fresh device
     memory is uninitialised, and attention masks a key by giving it probability 0: 0 × a NaN left in a
@@ -82,9 +93,7 @@ class ZeroFill:
             out = helper.make_tensor_value_info("zeros", ELEMENT[tensor.dtype], [f"d{i}" for i in range(len(tensor.shape))])
             node = helper.make_node("ConstantOfShape", ["shape"], ["zeros"],
                                     value=helper.make_tensor("zero", ELEMENT[tensor.dtype], [1], [0]))
-            opts = ort.SessionOptions()
-            opts.log_severity_level = 3
-            self._sessions[key] = ort.InferenceSession(_graph("zero_fill", [node], [shape], [out]), opts,
+            self._sessions[key] = ort.InferenceSession(_graph("zero_fill", [node], [shape], [out]), helper_options(),
                                                                 providers=self._providers)
         session = self._sessions[key]
         binding = session.io_binding()
@@ -138,8 +147,7 @@ class SlotRows:
         nodes += [helper.make_node("Slice", [f"src.{k}", "zeros", "n", "axis"], [f"rows.{k}"]) for k in range(count)]
         read = _graph("slot_read", nodes, [slot(f"src.{k}") for k in range(count)] + [n_in],
                       [rows(f"rows.{k}") for k in range(count)])
-        opts = ort.SessionOptions()
-        opts.log_severity_level = 3
+        opts = helper_options()
         self._sessions = {name: ort.InferenceSession(g, opts, providers=providers)
                           for name, g in (("write", write), ("copy", copy), ("read", read))}
 

@@ -15,7 +15,7 @@ import onnxruntime as ort
 
 from onnx import TensorProto, helper, numpy_helper
 
-from .device import DeviceTensor, SlotRows, ZeroFill, _graph
+from .device import DeviceTensor, SlotRows, ZeroFill, _graph, helper_options
 
 
 # ---------------------------------------------------------------------------------------------- backbone
@@ -263,8 +263,7 @@ class _RingWriter:
                 parts.append(p + axis + "_idx")
             gb_nodes += [node("Concat", parts, [p + "indices"], axis=5),
                          node("ScatterND", [p + "ring", p + "indices", p + "present"], [p + "out"])]
-        opts = ort.SessionOptions()
-        opts.log_severity_level = 3
+        opts = helper_options()
         self._write = ort.InferenceSession(_graph("ring_write", gb_nodes, inputs, outputs), opts, providers=providers)
         # move: every (stage, layer, K/V) row block of one slot copied into another slot's memory
         blocks = [(si, i) for si, s in enumerate(stages) for i in range(2 * s.layers)]
