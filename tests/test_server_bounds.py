@@ -199,7 +199,8 @@ def test_client_reset_while_the_server_is_blocked_sending_frees_the_slot(full_bu
             r = httpx.post(s.base + "/v1/audio/speech", timeout=60,
                            json={"model": "x", "input": "Hello there.", "response_format": "pcm"})
             assert r.status_code == 200, r.text
-        assert metric(s, "mossrt_requests_total", endpoint=label, status="client_disconnected") == 2
+        wait_for(lambda: metric(s, "mossrt_requests_total", endpoint=label, status="client_disconnected") == 2,
+                 SLOT_BOUND_S, "both reset streams counted as client_disconnected")
 
 
 # ---------------------------------------------------------------------------------------------- item 7
