@@ -10,10 +10,12 @@ import logging
 
 from fastapi.responses import StreamingResponse
 
-from engine.scheduler import StreamHandle
+from engine.errors import EngineError
+from engine.scheduler import FrameEvent, StreamError, StreamHandle, TurnEnd
 
 from .audio_formats import StreamEncoder
-from .metrics import StreamMeter
+from .errors import from_engine
+from .metrics import FRAME_SECONDS, StreamMeter
 
 log = logging.getLogger("mossrt.http")
 
@@ -77,3 +79,33 @@ async def _close(iterator) -> None:
         pass
 
 
+
+
+async def audio_events(end: StreamEnd):
+    """The encoded audio of ``end``'s stream as it is generated: ``(bytes, frame, None)`` per frame that has
+    audio, then ``(the encoder's tail, None, turn stats)``. The final status goes to ``end``, which closes
+    everything however the loop ends; an engine error after the headers were sent is logged and re-raised
+    (the body can only end early)."""
+    meter, encoder = end.meter, end.encoder
+    seconds_per_frame = FRAME_SECONDS / encoder.speed        # what the client plays per frame
+    try:
+        while True:
+            event = await end.handle.aget()
+            if isinstance(event, FrameEvent):
+                meter.frame()
+                if event.frame.audio is not None:
+                    data = encoder.write(event.frame.audio)
+                    meter.audio_sent(seconds_per_frame)
+                    yield data, event.frame, None
+            elif isinstance(event, StreamError):
+                raise event.error
+            elif isinstance(event, TurnEnd):
+                end.status = "200"
+                yield encoder.close(), None, event.stats
+                return
+    except EngineError as e:
+        end.status = str(from_engine(e).status)
+        log.error("%s stream failed after %d frames: %s", end.endpoint, meter.frames, e)
+        raise
+    finally:
+        end()

@@ -19,15 +19,14 @@ from starlette.concurrency import run_in_threadpool
 
 from engine.errors import ContextLimitError, EngineError, InputError, TextTooLongError
 from engine.generate import utterance_ids
-from engine.scheduler import AsyncSink, FrameEvent, StreamError, StreamHandle, TurnEnd
+from engine.scheduler import AsyncSink
 
-from ..audio_formats import StreamEncoder
 from ..auth import http_key_error
 from ..elevenlabs.alignment import FRAME_MS, Aligner
 from ..elevenlabs.formats import parse_output_format
 from ..errors import ApiError, from_engine
-from ..metrics import FRAME_SECONDS, StreamMeter
-from ..streaming import StreamedResponse, StreamEnd
+from ..metrics import StreamMeter
+from ..streaming import StreamedResponse, StreamEnd, audio_events
 from ..service import DEFAULT_VOICE, SamplingFields, TTSService
 
 log = logging.getLogger("mossrt.elevenlabs")
@@ -128,7 +127,7 @@ async def _speak(voice_id: str, request: Request, timestamps: str | None):
         return _error(err.status, err.code or "error", err.message, err.headers)
     meter = StreamMeter(metrics, "elevenlabs_http", request.state.started)
     end = StreamEnd(handle, encoder, meter, metrics, endpoint)
-    chunks = _chunks(handle, encoder, meter, end, Aligner() if timestamps else None, body.text)
+    chunks = _chunks(end, Aligner() if timestamps else None, body.text)
     headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no", "X-Request-Id": request.state.request_id}
     if timestamps == "whole":
         try:
@@ -142,35 +141,20 @@ async def _speak(voice_id: str, request: Request, timestamps: str | None):
                              headers=headers)
 
 
-async def _chunks(handle: StreamHandle, encoder: StreamEncoder, meter: StreamMeter, end: StreamEnd,
-                  aligner: Aligner | None, text: str):
-    """(encoded bytes, alignment with absolute times in seconds or None) per frame; the final status goes
-    to ``end``, which closes the stream, the encoder and the meter and counts the request."""
+async def _chunks(end: StreamEnd, aligner: Aligner | None, text: str):
+    """(encoded bytes, alignment with absolute times in seconds or None) per frame (``audio_events``)."""
     offset_ms = 0.0
     if aligner is not None:
         aligner.add(text)
     try:
-        while True:
-            event = await handle.aget()
-            if isinstance(event, FrameEvent):
-                meter.frame()
-                if event.frame.audio is not None:
-                    data = encoder.write(event.frame.audio)
-                    meter.audio_sent(FRAME_SECONDS)
-                    span = aligner.frame(event.frame.text_chars) if aligner else None
-                    yield data, _absolute(span, offset_ms)
-                    offset_ms += FRAME_MS
-            elif isinstance(event, StreamError):
-                raise event.error
-            elif isinstance(event, TurnEnd):
-                end.status = "200"
-                yield encoder.close(), _absolute(aligner.rest() if aligner else None, offset_ms)
+        async for data, frame, stats in audio_events(end):
+            if stats is not None:
+                yield data, _absolute(aligner.rest() if aligner else None, offset_ms)
                 return
-    except EngineError as e:                 # headers are sent: the body can only end early
-        end.status = str(from_engine(e).status)
-        log.error("elevenlabs speech failed after %d frames: %s", meter.frames, e)
-    finally:
-        end()
+            yield data, _absolute(aligner.frame(frame.text_chars) if aligner else None, offset_ms)
+            offset_ms += FRAME_MS
+    except EngineError:
+        pass                                 # logged and counted by audio_events; the body just ends
 
 
 def _absolute(span: dict | None, offset_ms: float) -> dict | None:

@@ -12,13 +12,13 @@ from starlette.concurrency import run_in_threadpool
 
 from engine.errors import ContextLimitError, EngineError, InputError, TextTooLongError
 from engine.generate import utterance_ids
-from engine.scheduler import AsyncSink, FrameEvent, StreamError, StreamHandle, TurnEnd
+from engine.scheduler import AsyncSink
 
 from ..audio_formats import CONTENT_TYPES, StreamEncoder
 from ..auth import require_key
 from ..errors import ApiError, from_engine
-from ..metrics import FRAME_SECONDS, StreamMeter
-from ..streaming import StreamedResponse, StreamEnd
+from ..metrics import StreamMeter
+from ..streaming import StreamedResponse, StreamEnd, audio_events
 from ..schemas import SpeechRequest
 from ..service import SamplingFields, TTSService
 
@@ -71,51 +71,24 @@ async def create_speech(body: SpeechRequest, request: Request):
     headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no", "X-Request-Id": request.state.request_id}
     stall = service.settings.stall_timeout
     if body.stream_format == "sse":
-        return StreamedResponse(_sse(handle, encoder, meter, len(ids), end), end, stall, media_type="text/event-stream",
+        return StreamedResponse(_sse(len(ids), end), end, stall, media_type="text/event-stream",
                                headers=headers)
-    return StreamedResponse(_audio(handle, encoder, end), end, stall, media_type=encoder.content_type, headers=headers)
+    return StreamedResponse(_audio(end), end, stall, media_type=encoder.content_type, headers=headers)
 
 
-async def _events(handle: StreamHandle, encoder: StreamEncoder, end: StreamEnd):
-    """(encoded bytes, final stats or None) per engine event; the final status goes to ``end``."""
-    meter = end.meter
-    seconds_per_frame = FRAME_SECONDS / encoder.speed        # what the client plays per frame
+async def _audio(end: StreamEnd):
     try:
-        while True:
-            event = await handle.aget()
-            if isinstance(event, FrameEvent):
-                meter.frame()
-                if event.frame.audio is not None:
-                    data = encoder.write(event.frame.audio)
-                    meter.audio_sent(seconds_per_frame)
-                    if data:
-                        yield data, None
-            elif isinstance(event, StreamError):
-                raise event.error
-            elif isinstance(event, TurnEnd):
-                end.status = "200"
-                yield encoder.close(), event.stats
-                return
-    except EngineError as e:                 # headers are sent: the stream can only end early
-        end.status = str(from_engine(e).status)
-        log.error("speech stream failed after %d frames: %s", meter.frames, e)
-        raise
-    finally:
-        end()
-
-
-async def _audio(handle, encoder, end: StreamEnd):
-    try:
-        async for data, _ in _events(handle, encoder, end):
+        async for data, _, _ in audio_events(end):
             if data:
                 yield data
     except EngineError:
-        pass                                 # logged and counted by _events; the body just ends
+        pass                                 # logged and counted by audio_events; the body just ends
 
 
-async def _sse(handle, encoder, meter, input_tokens: int, end: StreamEnd):
+async def _sse(input_tokens: int, end: StreamEnd):
+    meter = end.meter
     try:
-        async for data, stats in _events(handle, encoder, end):
+        async for data, _, stats in audio_events(end):
             if data:
                 yield _event({"type": "speech.audio.delta", "audio": base64.b64encode(data).decode()})
             if stats is not None:
