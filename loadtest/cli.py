@@ -7,13 +7,14 @@ import asyncio
 import dataclasses
 import datetime as dt
 import json
-import math
 import os
 import platform
 import secrets
 import shlex
 import sys
 from pathlib import Path
+
+from mossrt.argtypes import finite_float
 
 from .clients import RequestOptions
 from .runner import RunConfig, Runner
@@ -28,14 +29,7 @@ EPILOG = """examples:
 
 # Argument types: every number is checked here (argparse exits 2 with the message), so a bad value never
 # reaches the run (a zero --delta-max-chars would loop forever, an inf concurrency would crash).
-def _number(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not math.isfinite(value):
-        raise argparse.ArgumentTypeError(f"expected a finite number, got {text}")
-    return value
+_number = finite_float
 
 
 def positive_float(text: str) -> float:

@@ -36,6 +36,7 @@ from ..elevenlabs.protocol import DEFAULT_INACTIVITY_TIMEOUT, ClientMessage, Con
 from ..errors import ApiError, from_engine
 from ..metrics import FRAME_SECONDS, StreamMeter
 from ..service import SamplingFields, TTSService
+from .ws import end_session
 
 log = logging.getLogger("mossrt.elevenlabs")
 router = APIRouter()
@@ -159,11 +160,7 @@ class ElevenLabsSession:
             except (WebSocketDisconnect, RuntimeError):
                 pass
         finally:
-            self.metrics.sessions.dec()
-            if self._sender is not None:
-                self._sender.cancel()
-            if self.handle is not None:
-                self.handle.close()
+            end_session(self.metrics, self._sender, self.handle)
 
     async def _fail(self, e: Fatal) -> None:
         try:

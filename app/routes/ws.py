@@ -88,6 +88,16 @@ class Bare(BaseModel):
     event_id: StrictStr | None = None
 
 
+def end_session(metrics, sender: asyncio.Task | None, handle: StreamHandle | None) -> None:
+    """A WebSocket session's teardown, whatever ended it (both WebSocket protocols): uncount it, stop its
+    audio sender, free its stream's slot."""
+    metrics.sessions.dec()
+    if sender is not None:
+        sender.cancel()
+    if handle is not None:
+        handle.close()
+
+
 class ClientStalled(Exception):
     """The client did not take a frame of audio within the stall timeout."""
 
@@ -216,11 +226,7 @@ class WsSession:
             await self.fail(ProtocolError("internal_error", f"internal error: {type(e).__name__}", True,
                                           CLOSE_INTERNAL))
         finally:
-            self.metrics.sessions.dec()
-            if self._sender is not None:
-                self._sender.cancel()
-            if self.handle is not None:
-                self.handle.close()
+            end_session(self.metrics, self._sender, self.handle)
 
     async def handle_message(self, message: dict) -> None:
         if message.get("bytes") is not None:
