@@ -2,7 +2,7 @@
 
 Transports (HTTP, WebSocket, gRPC) only translate: they resolve a voice and settings here, open a
 stream handle, and map typed errors. Loading and warm-up run in the background so ``/health`` answers
-at once and ``/ready`` turns 200 when the first synthesis has run.
+at once and ``/ready`` turns 200 when the batch buckets (with ``warm_buckets``) and the first synthesis have run.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from engine.bundle import Bundle
-from engine.errors import InputError
+from engine.errors import EngineError, InputError
 from engine.limits import Limits
 from engine.prefix import prefix_key
 from engine.sampling import SamplingParams
@@ -36,6 +36,7 @@ OPENAI_VOICES = ("alloy", "ash", "ballad", "coral", "echo", "fable", "onyx", "no
                  "marin", "cedar")
 DEFAULT_VOICE = "default"
 MAX_DEFAULT_SLOTS = 64
+WARM_TIMEOUT_S = 1800            # the bucket warm-up (every bucket's calls, CUDA-graph captures) at most
 
 
 def available_memory_bytes() -> int:
@@ -71,7 +72,7 @@ class TTSService:
         self.model: TTSModel | None = None
         self.scheduler: Scheduler | None = None
         self.voices = VoiceRegistry(settings.voices_dir, bundle.identity, max_voices=settings.max_voices)
-        self.state = "loading"          # loading -> ready -> draining; failed on a load error
+        self.state = "loading"          # loading -> warming -> ready -> draining; failed on a load error
         self.error: str | None = None
         self.created = int(time.time())
         self._thread: threading.Thread | None = None
@@ -90,12 +91,16 @@ class TTSService:
     def _load(self) -> None:
         try:
             t0 = time.monotonic()
-            cuda_graphs = self.settings.cuda_graphs
-            model = TTSModel(self.bundle, cuda_graphs=None if cuda_graphs is None else cuda_graphs == "on")
+            on = lambda flag: None if flag is None else flag == "on"      # unset: the engine decides
+            model = TTSModel(self.bundle, cuda_graphs=on(self.settings.cuda_graphs),
+                             warm_buckets=on(self.settings.warm_buckets))
             slots = self.settings.max_streams or self._default_slots(model)
+            self.state = "warming"              # /ready: 503 warming while the buckets and first synthesis run
             self.scheduler = Scheduler(model, slots=slots, limits=self.limits, queue_timeout=self.settings.queue_timeout,
                                        prefix_cache_bytes=self.settings.prefix_cache_bytes)
             self.model = model
+            if not self.scheduler.wait_warm(timeout=WARM_TIMEOUT_S) or self.scheduler.broken:
+                raise EngineError(self.scheduler.broken or f"the batch buckets did not warm in {WARM_TIMEOUT_S} s")
             self._warm_up()                     # also computes the default system prompt's prefix KV
             self.state = "ready"
             log.info("ready in %.1f s: %d stream slots of %d context rows (%.0f MiB each), device %s%s",
@@ -164,6 +169,8 @@ class TTSService:
             raise ApiError(503, "the server is shutting down", "server_error", None, "draining", {"Retry-After": "1"})
         if self.state == "failed":
             raise ApiError(503, f"the model failed to load: {self.error}", "server_error", None, "load_failed")
+        if self.state == "warming":
+            raise ApiError(503, "the model is warming up", "server_error", None, "warming", {"Retry-After": "5"})
         raise ApiError(503, "the model is loading", "server_error", None, "loading", {"Retry-After": "5"})
 
     # ------------------------------------------------------------------ requests

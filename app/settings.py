@@ -63,6 +63,8 @@ class ServerSettings(BaseSettings):
     # the GPU step loop
     cuda_graphs: Literal["on", "off"] | None = Field(None, description="capture each batch bucket's step as CUDA "
                                                      "graphs (none: on with CUDA when the graphs place fully there)")
+    warm_buckets: Literal["on", "off"] | None = Field(None, description="run every batch bucket's calls once before "
+                                                      "/ready turns 200 (none: on when CUDA graphs are on)")
 
     @field_validator("api_keys", "cors_origins", mode="before")
     @classmethod

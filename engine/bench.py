@@ -177,6 +177,7 @@ def bench_streams(model, streams=(1, 2, 4, 8, 16), frames: int = 32, seed: int =
         scheduler = Scheduler(model, slots=n, prefix_cache_bytes=4 * model.kv_bytes_per_slot(
             len(model.prompt.tts_prompt(None))))
         scheduler.warm_prefix(None)
+        scheduler.wait_warm()                   # its bucket warm-up (--warm-buckets on) is not measured
         stats = [None] * n
 
         def one(i: int) -> None:
@@ -315,6 +316,8 @@ def bench_compare(model, frames: int = 8, streams: int = 8, voice_seconds: float
     scheduler = Scheduler(model, slots=2, prefix_cache_bytes=prefix_bytes)
     plain = Scheduler(model, slots=1)
     try:
+        for sch in (scheduler, plain):
+            sch.wait_warm()                     # the bucket warm-up (--warm-buckets on) is not measured
         scheduler.warm_prefix(None)
         scheduler.warm_prefix(voice)
         _ttfa(scheduler, model, ids)[1].close()               # warm-up: first-run allocations

@@ -28,6 +28,10 @@ from .errors import InputError
 from .sampling import SamplingParams
 
 MIN_HISTORY_WINDOW = 64     # depth history windows are bound in power-of-two sizes from here
+# runs of each call in a warm-up that captures: onnxruntime's CUDA provider captures a graph id after its
+# regular runs (min_num_runs_before_cuda_graph_capture_: 1 in older releases, 2 in newer), and one more
+# replays it
+CAPTURE_WARM_RUNS = 3
 
 
 def bucket_sizes(slots: int) -> tuple[int, ...]:
@@ -189,7 +193,7 @@ class BucketBuffers:
         """Stage a depth call: per ``(slot, history, params, uniform, first_frame)``; the other rows get
         greedy settings, no penalty and an empty window (their codes are ignored). Returns the bound history
         window to run with."""
-        window = window_for(max(h.shape[0] for _, h, _, _, _ in rows))
+        window = window_for(max((h.shape[0] for _, h, _, _, _ in rows), default=0))
         _, history = self.depth_binding(window)
         s = {name: buf.host for name, buf in self.sampler.items()}
         history.host[:] = history_pad

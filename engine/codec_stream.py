@@ -75,6 +75,20 @@ class StreamingDecoder:
         self.timing.add(time.perf_counter() - t0, t2 - t1)
         return audio
 
+    def warm(self, shapes: list[tuple[int, int]]) -> None:
+        """Bind and run each call shape ``(streams, frames)`` once with every stream riding along (0 frames):
+        its buffers and bindings exist from now on, and no stream's rings or position change. The largest
+        new-row buffers are made first, so no later call grows (and rebinds) them."""
+        if not shapes:
+            return
+        largest = max(shapes, key=lambda shape: shape[0] * shape[1])
+        self.state.prepare(*largest)
+        for n, N in shapes:
+            binding, codes, _ = self._call(n, N)
+            codes[...] = 0
+            self._session.run_with_iobinding(binding)
+            self.state.advance(n, np.zeros(n, np.int64), N)
+
     def _call(self, n: int, N: int) -> tuple:
         """(binding, codes buffer, audio buffer) of a call shape, made once (and again after the state's
         call buffers grew): every input and output at a fixed address, so a call only fills the codes."""

@@ -110,11 +110,11 @@ class RingState:
         self.side, self.stages, self.slots, self.device = side, stages, slots, device
         providers = providers or ["CPUExecutionProvider"]
         zero = ZeroFill(providers)
-        # [layers * 2 * (slots + 1), heads, rows, head_dim]: a layer's K (V) of streams 0..n-1 is one view
-        self.rings = [DeviceTensor((s.layers * 2 * (slots + 1), s.heads, s.rows, s.head_dim), device)
+        # [layers * 2 * (slots + 1), heads, rows, head_dim]: a layer's K (V) of streams 0..n-1 is one view.
+        # Zeroed: masked rows are read with probability 0, and never-written memory must not be NaN (on CPU
+        # from untouched zero pages, so rings cost resident memory only as streams write them)
+        self.rings = [DeviceTensor.zeros((s.layers * 2 * (slots + 1), s.heads, s.rows, s.head_dim), device, zero)
                       for s in stages]
-        for ring in self.rings:
-            zero(ring)          # masked rows are read with probability 0: never-written memory must not be NaN
         self._presents: list[DeviceTensor | None] = [None] * len(stages)    # grown to the largest call
         # frame positions on the device (the graphs read them there); the host keeps a mirror it never
         # uploads, for frame_positions and for moves

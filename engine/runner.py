@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .buckets import BucketBuffers, BufferStats, bucket_for, bucket_sizes
+from .buckets import CAPTURE_WARM_RUNS, BucketBuffers, BufferStats, bucket_for, bucket_sizes
 from .codec import MAX_FRAMES_PER_CALL
 from .errors import CapacityError, GraphError, InputError
 from .prefix import PrefixCache, prefix_key
@@ -132,6 +132,7 @@ class StepRunner:
         self.buffer_stats = BufferStats()
         self._buckets: dict[int, BucketBuffers] = {}
         self.capture = capture                      # run the buckets' calls as captured CUDA graphs
+        self.warmed = False                         # warm_up ran: codec calls take bucketed stream counts
 
     # ------------------------------------------------------------------ slots
     @property
@@ -185,6 +186,29 @@ class StepRunner:
             if e.stream is stream:
                 return e
         raise InputError("the stream is not attached to this runner")
+
+    # ------------------------------------------------------------------ warm-up
+    def warm_up(self) -> list[int]:
+        """Make every call shape the loop will run before any stream attaches, so no live tick stalls on a
+        first use (bindings, onnxruntime's first-run allocations, a CUDA graph's warm-up runs and capture):
+        each bucket's backbone step and depth call (the smallest history window) and, from then on, the
+        codec's calls at each bucket's stream count and each of ``codec_call_sizes``. Every row is padding,
+        as the loop runs free slots: step rows write their dummy row at a free slot's length (its lengths
+        stay), depth codes are dropped, codec rows ride with 0 frames (rings and positions untouched).
+        With capture each call runs ``CAPTURE_WARM_RUNS`` times. Must run on the thread that will run the
+        ticks (onnxruntime keeps captured graphs per thread). Returns the buckets warmed."""
+        if self._entries:
+            raise InputError("warm up before any stream attaches")
+        runs = CAPTURE_WARM_RUNS if self.capture and self.model.cuda_graphs else 1
+        for bucket in self.bucket_sizes:
+            bufs = self._bucket([bucket - 1])
+            for _ in range(runs):
+                bufs.stage_step({}, self.kv.lengths[:bucket], self._rider_row)
+                self.model.run_step(bufs)
+                self.model.run_bucket_depth(bufs, bufs.stage_depth([], self.model.history_pad))
+        self.decoder.warm([(n, frames) for n in self.bucket_sizes for frames in self.codec_call_sizes])
+        self.warmed = True
+        return list(self.bucket_sizes)
 
     # ------------------------------------------------------------------ one tick
     def tick(self) -> TickResult:
@@ -409,6 +433,8 @@ class StepRunner:
 
         def run(group: list[tuple[_Entry, list[Frame]]]) -> list[np.ndarray]:
             hi = max(e.slot for e, _ in group) + 1
+            if self.warmed:             # the warmed shapes: rows past the highest due slot ride with 0 frames
+                hi = bucket_for(hi, self.bucket_sizes)
             codes = np.zeros((hi, size, self.model.codec.num_quantizers), np.int64)
             count = np.zeros(hi, np.int64)
             for e, fs in group:

@@ -260,7 +260,9 @@ class Scheduler:
                  queue_timeout: float = DEFAULT_QUEUE_TIMEOUT,
                  max_buffered_frames: int = DEFAULT_MAX_BUFFERED_FRAMES,
                  codec_schedule: tuple[int, ...] = SERVICE_CODEC_SCHEDULE,
-                 prefix_cache_bytes: int = 0):
+                 prefix_cache_bytes: int = 0, warm_buckets: bool | None = None):
+        """``warm_buckets``: the loop thread first runs every batch bucket's calls once on padding rows
+        (``StepRunner.warm_up``), before it serves any stream (None: the model's ``warm_buckets``)."""
         self.model = model
         self.limits = limits or Limits()
         self.prefix_cache = PrefixCache(prefix_cache_bytes) if prefix_cache_bytes else None
@@ -280,6 +282,9 @@ class Scheduler:
         self._stop = False
         self._detach_failures: dict[int, int] = {}   # id(handle) -> failed detaches (its slot is still taken)
         self.broken: str | None = None            # why the engine is unusable (no new streams), else None
+        self._warm = model.warm_buckets if warm_buckets is None else warm_buckets
+        self._warmed = threading.Event()           # set when the loop is ready to tick (after any warm-up)
+        self.warm_seconds: float | None = None     # how long the warm-up took (None: none ran)
         self._thread = threading.Thread(target=self._loop, name="mossrt-scheduler", daemon=True)
         self._thread.start()
 
@@ -337,6 +342,10 @@ class Scheduler:
             finally:
                 h.close()
         return self.prefix_cache.get(key)
+
+    def wait_warm(self, timeout: float | None = None) -> bool:
+        """Wait until the loop is ready to tick (its warm-up, if any, done); returns whether it is."""
+        return self._warmed.wait(timeout)
 
     def drain(self, timeout: float) -> bool:
         """Stop admitting streams and wait up to ``timeout`` s for every turn in progress to end.
@@ -467,7 +476,25 @@ class Scheduler:
             self._cond.notify_all()
 
     # ------------------------------------------------------------------ the loop (its own thread)
+    def _warm_up(self) -> None:
+        """The runner's warm-up, on the loop's own thread (captured graphs belong to the thread that ran
+        them); a failure breaks the engine (no new streams, /ready says why) instead of the loop."""
+        t0 = time.perf_counter()
+        try:
+            buckets = self.runner.warm_up()
+        except Exception as exc:  # noqa: BLE001 - reported, never a dead loop
+            log.exception("warming the batch buckets failed")
+            self._break(f"warming the batch buckets failed: {type(exc).__name__}: {exc}")
+            return
+        self.warm_seconds = time.perf_counter() - t0
+        log.info("warmed batch buckets %s (backbone step, depth call, codec calls of %s frames)%s in %.2f s",
+                 ", ".join(map(str, buckets)), "/".join(map(str, self.runner.codec_call_sizes)),
+                 ", captured" if self.runner.capture and self.model.cuda_graphs else "", self.warm_seconds)
+
     def _loop(self) -> None:
+        if self._warm:
+            self._warm_up()
+        self._warmed.set()
         wait_s: float | None = None     # from the last tick: 0 tick again, None sleep until woken, else at most
         while True:
             with self._cond:

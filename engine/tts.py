@@ -43,9 +43,12 @@ NON_FINITE_LOGITS = "the depth graph produced NaN/Inf logits (damaged bundle?)"
 class TTSModel:
     """The TTS graphs of a bundle plus everything derived from its manifest (layout, defaults, tokenizer)."""
 
-    def __init__(self, bundle: Bundle, codec: Codec | None = None, cuda_graphs: bool | None = None):
+    def __init__(self, bundle: Bundle, codec: Codec | None = None, cuda_graphs: bool | None = None,
+                 warm_buckets: bool | None = None):
         """``cuda_graphs``: capture each bucket's backbone step and depth call as CUDA graphs (None: on with
-        CUDA when every node of both graphs is placed there, see :func:`engine.buckets.capture_decision`)."""
+        CUDA when every node of both graphs is placed there, see :func:`engine.buckets.capture_decision`).
+        ``warm_buckets``: a scheduler on this model runs every bucket's calls once before it serves
+        (``StepRunner.warm_up``; None: when capturing, so that no capture happens inside a live tick)."""
         self.bundle = bundle
         tts = bundle.section("tts")
         self.config = tts.config
@@ -80,6 +83,7 @@ class TTSModel:
         if not self.cuda_graphs:
             self._backbone, self._depth = (bundle.session(g) for g in STEP_GRAPHS)
         self._uncaptured = self._graph_run_options(-1) if self.cuda_graphs else None   # prefill, run_depth
+        self.warm_buckets = self.cuda_graphs if warm_buckets is None else warm_buckets
         # one graph call at a time per model: a runner's scheduler thread and a StreamingSession or synth in
         # another thread share these sessions, and a CUDA-graph session must never run concurrently
         self.graph_lock = threading.Lock()

@@ -43,6 +43,10 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--cuda-graphs", choices=["on", "off"], default=None,
                         help="capture the batched backbone step and depth call as CUDA graphs, one per batch bucket "
                              "(default: on with CUDA when every node of both graphs runs there, off on CPU)")
+        sp.add_argument("--warm-buckets", choices=["on", "off"], default=None,
+                        help="run every batch bucket's step, depth and codec calls once on padding rows before "
+                             "serving, so no stream waits on a first use or a capture (default: on when CUDA "
+                             "graphs are on, else off)")
 
     def bundle_flag(sp, required=True):
         sp.add_argument("--bundle", required=required, help="bundle directory written by 'mossrt export'")

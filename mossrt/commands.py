@@ -120,13 +120,22 @@ def load_model(args):
     bundle = Bundle(args.bundle, device=args.device, threads=args.threads, profile_dir=profile_dir(args))
     if bundle.is_demo:
         progress(f"note: {args.bundle} is the demo bundle ({bundle.info.demo.note})")
-    return TTSModel(bundle, cuda_graphs=cuda_graphs_choice(args))
+    return TTSModel(bundle, cuda_graphs=cuda_graphs_choice(args), warm_buckets=warm_buckets_choice(args))
+
+
+def on_off(flag: str | None) -> bool | None:
+    """An ``on|off`` flag or setting as the engine takes it (None: not given, the engine decides)."""
+    return None if flag is None else flag == "on"
 
 
 def cuda_graphs_choice(args) -> bool | None:
-    """``--cuda-graphs on|off`` as the model takes it (None: not given, the device decides)."""
-    flag = getattr(args, "cuda_graphs", None)
-    return None if flag is None else flag == "on"
+    """``--cuda-graphs on|off`` (None: not given, the device decides)."""
+    return on_off(getattr(args, "cuda_graphs", None))
+
+
+def warm_buckets_choice(args) -> bool | None:
+    """``--warm-buckets on|off`` (None: not given, on when capturing)."""
+    return on_off(getattr(args, "warm_buckets", None))
 
 
 def load_codec(args):

@@ -19,7 +19,7 @@ BOUND_FLAG_FIELDS = ("ws_text_timeout", "max_voices", "max_body_bytes", "header_
 SEND_BUFFER_BYTES = 128 * 1024   # per connection (Linux doubles it): about 5 s of 24 kHz pcm
 FLUSH_SECONDS = 3     # after the drain: responses already generated finish sending, then the process exits
 # the GPU step loop (issue 16)
-GPU_FLAG_FIELDS = ("cuda_graphs",)
+GPU_FLAG_FIELDS = ("cuda_graphs", "warm_buckets")
 
 
 def load_settings(args):

@@ -235,3 +235,110 @@ def test_cuda_graphs_flag_reaches_the_model_and_is_refused_off_cuda(full_bundle_
     serve = build_parser().parse_args(["serve", "--cuda-graphs", "off"])
     assert load_settings(serve).cuda_graphs == "off"
     assert load_settings(build_parser().parse_args(["serve"])).cuda_graphs is None
+
+
+# ---------------------------------------------------------------------------------------------- warm-up
+def _run_turns(runner, model, seeds: list[int], turns: int = 2) -> list[list[tuple[list, np.ndarray]]]:
+    """Streams through ``runner``'s ticks, ``turns`` turns each: per stream its frames' (codes, audio)."""
+    from engine.stream import StreamState
+
+    streams = [StreamState(model, params=model.default_sampling(), seed=s) for s in seeds]
+    for st in streams:
+        runner.attach(st)
+    out = [[] for _ in streams]
+    for _ in range(turns):
+        for st in streams:
+            st.begin_turn(max_frames=7)
+            st.push_text(SAY)
+            st.end_text()
+        for _ in range(600):
+            result = runner.tick()
+            for st, frame in result.frames:
+                out[streams.index(st)].append((frame.codes.tolist(), frame.audio))
+            if all(st.turn_done and not st.in_flight for st in streams) and not any(
+                    e.pending for e in runner._entries):
+                break
+        else:
+            pytest.fail("the turn did not end")
+    for st in streams:
+        runner.detach(st)
+    return out
+
+
+def test_warm_up_makes_every_call_shape_before_any_stream(model):
+    """``StepRunner.warm_up`` binds and runs every bucket's step and depth call and each codec call shape on
+    padding rows: the KV lengths and codec positions stay as they were, streams run afterwards allocate and
+    bind nothing new (backbone/depth buffers, codec call bindings and device buffers), and their codes and
+    audio equal those of a runner that was not warmed."""
+    from engine.runner import SERVICE_CODEC_SCHEDULE, StepRunner
+
+    warm = StepRunner(model, 8, 8192, codec_schedule=SERVICE_CODEC_SCHEDULE)
+    lengths, positions = warm.kv.lengths.copy(), warm.decoder.state.positions.numpy().copy()
+    assert warm.warm_up() == [1, 2, 4, 8]
+    np.testing.assert_array_equal(warm.kv.lengths, lengths)
+    np.testing.assert_array_equal(warm.decoder.state.positions.numpy(), positions)
+    np.testing.assert_array_equal(warm.decoder.frame_positions, positions[:-1])
+    made = (warm.buffer_stats.allocations, warm.buffer_stats.bindings, set(warm._buckets),
+            set(warm.decoder._calls), warm.decoder.state.device_buffers())
+    assert made[2] == {1, 2, 4, 8} and made[3] == {(n, f) for n in (1, 2, 4, 8) for f in (1, 2, 4, 6)}
+    assert warm.timing.step.calls == 0 and not warm.decoder.call_shapes     # warm-up calls are not measured
+
+    seeds = [11, 12, 13, 14, 15]
+    got = _run_turns(warm, model, seeds)
+    assert warm.timing.step.calls > 0 and set(warm.decoder.call_shapes) <= made[3]
+    assert (warm.buffer_stats.allocations, warm.buffer_stats.bindings, set(warm._buckets),
+            set(warm.decoder._calls), warm.decoder.state.device_buffers()) == made
+    ref = _run_turns(StepRunner(model, 8, 8192, codec_schedule=SERVICE_CODEC_SCHEDULE), model, seeds)
+    assert [[c for c, _ in s] for s in got] == [[c for c, _ in s] for s in ref]
+    from conftest import TEST_DEVICE
+
+    # the codec's rider rows (bucketed stream counts) leave real rows bitwise alone on CPU (MLAS is
+    # row-independent for these shapes); elsewhere within float round-off
+    for s_got, s_ref in zip(got, ref):
+        for (_, a), (_, b) in zip(s_got, s_ref):
+            np.testing.assert_allclose(a, b, atol=0 if TEST_DEVICE == "cpu" else 1e-5, rtol=0)
+
+
+def test_a_warmed_scheduler_captures_nothing_after_start(full_bundle_dir):
+    """With capture forced on (as a CUDA placement decides) the scheduler's loop warms every bucket before
+    it serves: each bucket's backbone and depth graph id exists when ``wait_warm`` returns, and streams
+    then register no new id and allocate or bind no buffer; the codes equal an unwarmed scheduler's."""
+    from conftest import TEST_DEVICE
+    from engine.buckets import GraphKey
+    from engine.bundle import Bundle
+    from engine.scheduler import Scheduler
+    from engine.tts import TTSModel
+
+    captured = TTSModel(Bundle(full_bundle_dir, device=TEST_DEVICE))
+    captured.cuda_graphs = True                             # what a CUDA placement would decide
+    plain = TTSModel(Bundle(full_bundle_dir, device=TEST_DEVICE))
+    assert captured.warm_buckets is False and plain.warm_buckets is False     # CPU: off unless asked
+
+    def frames(sch, n: int) -> list[list]:
+        handles = [sch.open_stream(params=sch.model.default_sampling(greedy=True), seed=i) for i in range(n)]
+        for h in handles:
+            h.begin_turn(max_frames=4, wait=60)
+            h.push_text(SAY)
+            h.end_text()
+        out = [[f.codes.tolist() for f in turn_frames(h)] for h in handles]
+        for h in handles:
+            h.close()
+        return out
+
+    sch = Scheduler(captured, slots=4, warm_buckets=True)
+    try:
+        assert sch.wait_warm(timeout=300) and sch.broken is None and sch.warm_seconds is not None
+        keys = set(captured.graph_ids._ids)
+        assert keys == {GraphKey(g, b, 64 if g == "depth" else 0) for g in ("backbone", "depth") for b in (1, 2, 4)}
+        stats = (sch.runner.buffer_stats.allocations, sch.runner.buffer_stats.bindings)
+        got = frames(sch, 3)
+        assert set(captured.graph_ids._ids) == keys
+        assert (sch.runner.buffer_stats.allocations, sch.runner.buffer_stats.bindings) == stats
+    finally:
+        sch.stop()
+    ref_sch = Scheduler(plain, slots=4)
+    try:
+        assert ref_sch.wait_warm(timeout=60) and ref_sch.warm_seconds is None
+        assert frames(ref_sch, 3) == got
+    finally:
+        ref_sch.stop()

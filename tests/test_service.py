@@ -547,3 +547,70 @@ def test_websocket_turn_without_capacity_is_refused_cleanly(full_bundle_dir, tmp
         metrics = httpx.get(s.base + "/metrics").text
         assert 'mossrt_requests_total{endpoint="/v1/audio/speech/stream",status="429"} 1.0' in metrics
         assert 'endpoint="/v1/audio/speech/stream",status="400"' not in metrics   # refusal echoes are not requests
+
+
+# ---------------------------------------------------------------------------------------------- bucket warm-up
+def test_ready_is_503_warming_until_the_buckets_are_warm(full_bundle_dir, tmp_path, monkeypatch):
+    """``--warm-buckets on`` (MOSSRT_WARM_BUCKETS): /ready answers 503 ``warming`` and speech 503 code
+    ``warming`` while the scheduler's loop warms its buckets (held here at the start of the real warm-up,
+    within a bound); then 200, every bucket made before the first request."""
+    import threading
+
+    from fastapi.testclient import TestClient
+
+    from app.server import create_app
+    from app.settings import ServerSettings
+    from engine.bundle import Bundle
+    from engine.runner import StepRunner
+
+    gate, entered = threading.Event(), threading.Event()
+    real = StepRunner.warm_up
+
+    def held(runner):
+        entered.set()
+        gate.wait(timeout=60)
+        return real(runner)
+
+    monkeypatch.setattr(StepRunner, "warm_up", held)
+    monkeypatch.setenv("MOSSRT_WARM_BUCKETS", "on")
+    settings = ServerSettings(bundle=full_bundle_dir, voices_dir=tmp_path / "v", max_streams=4, device="cpu")
+    assert settings.warm_buckets == "on"
+    app = create_app(settings, Bundle(full_bundle_dir, device="cpu"))
+    with TestClient(app) as client:
+        service = app.state.service
+        try:
+            assert entered.wait(timeout=120)
+            r = client.get("/ready")
+            assert r.status_code == 503 and r.json()["status"] == "warming", r.text
+            r = client.post("/v1/audio/speech", json={"model": "tts-1", "input": "Hello.", "voice": "alloy"})
+            assert r.status_code == 503 and r.json()["error"]["code"] == "warming", r.text
+        finally:
+            gate.set()
+        assert service.wait_ready(120), service.error
+        assert client.get("/ready").status_code == 200
+        runner = service.scheduler.runner
+        assert runner.warmed and set(runner._buckets) == {1, 2, 4} and service.scheduler.warm_seconds is not None
+
+
+def test_warm_buckets_flag_and_variable(full_bundle_dir, monkeypatch):
+    """``--warm-buckets on|off`` on serve and bench reaches the settings and the model; the default follows
+    the CUDA-graph decision (off on CPU); bad values are refused with status 2."""
+    from engine.bundle import Bundle
+    from engine.tts import TTSModel
+    from mossrt.cli import build_parser, main
+    from mossrt.commands import warm_buckets_choice
+    from mossrt.serve import load_settings
+
+    assert load_settings(build_parser().parse_args(["serve", "--warm-buckets", "on"])).warm_buckets == "on"
+    assert load_settings(build_parser().parse_args(["serve"])).warm_buckets is None
+    args = build_parser().parse_args(["bench", "streams", "--bundle", str(full_bundle_dir), "--warm-buckets", "off"])
+    assert warm_buckets_choice(args) is False
+    bundle = Bundle(full_bundle_dir, device="cpu")
+    assert TTSModel(bundle).warm_buckets is False
+    assert TTSModel(bundle, warm_buckets=warm_buckets_choice(build_parser().parse_args(
+        ["bench", "compare", "--bundle", str(full_bundle_dir), "--warm-buckets", "on"]))).warm_buckets is True
+    with pytest.raises(SystemExit) as exit_:
+        build_parser().parse_args(["serve", "--warm-buckets", "maybe"])
+    assert exit_.value.code == 2
+    monkeypatch.setenv("MOSSRT_WARM_BUCKETS", "sometimes")
+    assert main(["serve", "--bundle", str(full_bundle_dir)]) == 2

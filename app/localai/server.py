@@ -429,7 +429,7 @@ class MossTTSBackend(pb_grpc.BackendServicer):
                                         audio_path=cfg.audio_path, default_voice=cfg.default_voice)
                 loaded.identity = cfg.model
                 return f"{bundle_dir} is already loaded{note}"
-            if loaded.service.state == "loading":
+            if loaded.service.state in ("loading", "warming"):
                 raise _LoadFailed(f"{bundle_dir} is still loading after {cfg.load_timeout:g} s (option load_timeout)")
         loaded = self._start_locked(cfg, bundle_dir, identity=cfg.model)
         service = loaded.service
@@ -520,7 +520,7 @@ class MossTTSBackend(pb_grpc.BackendServicer):
         if loaded is None:
             raise _Abort(grpc.StatusCode.FAILED_PRECONDITION, "no model is loaded: call LoadModel first")
         state = loaded.service.state
-        if state == "loading":
+        if state in ("loading", "warming"):
             raise _Abort(grpc.StatusCode.UNAVAILABLE, "the model is still loading; retry shortly")
         if state == "failed":
             raise _Abort(grpc.StatusCode.FAILED_PRECONDITION, f"the model failed to load: {loaded.service.error}")
