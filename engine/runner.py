@@ -7,7 +7,8 @@ streams (a stream holds one slot while attached). Each :meth:`StepRunner.tick`:
 2. runs prefills as batch-1 backbone calls on the stream's own slot, in chunks of ``prefill_chunk_rows``
    at fixed offsets of the prefill (so results never depend on load), at most about
    ``prefill_rows_per_tick`` rows per tick: running streams wait at most that long for a newcomer. A
-   stream's system block is a chunk of its own, so its KV can come from the prefix cache instead;
+   stream's system block is a chunk of its own, so its KV can come from the prefix cache instead (a
+   device-to-device copy);
 3. runs one batched backbone step for every stream that feeds one row, at the tick's batch bucket
    (``engine/buckets.py``: the smallest of 1, 2, 4, … slots covering the highest slot with work, bound once
    at fixed addresses); slots of the bucket with nothing to feed ride along with a dummy row written past
@@ -251,9 +252,10 @@ class StepRunner:
         if self.prefix_cache is None or not req.prefix_cuts or e.fed or self.kv.lengths[e.slot]:
             return
         cached = self.prefix_cache.get(prefix_key(req.rows[: req.prefix_cuts[0]]))
-        n = max((cut for cut in req.prefix_cuts if cached is not None and cut <= cached.shape[3]), default=0)
+        held = 0 if cached is None else self.kv.prefix_rows(cached)
+        n = max((cut for cut in req.prefix_cuts if cut <= held), default=0)
         if n:
-            self.kv.copy_rows(cached if n == cached.shape[3] else cached[:, :, :, :n], e.slot)
+            self.kv.copy_rows(cached, e.slot, n)          # device to device
             e.stream.on_fed(req, req.rows[:n])
             e.fed = n
             self.timing.prefix_rows_copied += n
@@ -266,8 +268,8 @@ class StepRunner:
             return
         key = prefix_key(req.rows[: req.prefix_cuts[0]])
         held = self.prefix_cache.peek(key)
-        if held is None or held.shape[3] < e.fed:
-            self.prefix_cache.put(key, self.kv.rows_of(e.slot, e.fed))
+        if held is None or self.kv.prefix_rows(held) < e.fed:
+            self.prefix_cache.put(key, self.kv.prefix_of(e.slot, e.fed))
 
     def _prefill(self, entries: list[_Entry], result: TickResult) -> list[tuple[_Entry, np.ndarray]]:
         done = []

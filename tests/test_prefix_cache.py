@@ -9,6 +9,8 @@ import numpy as np
 import pytest
 
 from conftest import golden, tolerance
+from engine.device import DeviceTensor
+from engine.prefix import prefix_key
 
 TEXT = ("Welcome to the world of MOSS TTS Realtime. Experience how text transforms into smooth, "
         "human-like speech in real time, one small step after another.")
@@ -82,6 +84,8 @@ def test_prefix_cache_is_bitwise_exact_under_load(model):
     cached, s1 = run_all(model, 64 * 2**20)
     assert s0.prefix_cache is None
     stats = s1.prefix_cache.stats
+    entry = s1.prefix_cache.peek(prefix_key(model.prompt.system_block(None)))
+    assert isinstance(entry, DeviceTensor) and entry.dtype == model.kv_dtype      # device memory, not host numpy
     assert stats.hits >= 2 and stats.entries >= 2 and s1.runner.timing.prefix_rows_copied > 0
     assert s1.runner.timing.prefill.calls < s0.runner.timing.prefill.calls     # fewer rows computed
     for (frames_a, ctx_a, kv_a), (frames_b, ctx_b, kv_b) in zip(plain, cached):
@@ -106,9 +110,11 @@ def test_warm_prefix_equals_a_prefill(model):
     voice = golden("tts/tts_multiturn.npz")["voice_prompt_codes"].T
     scheduler = Scheduler(model, slots=1, prefix_cache_bytes=16 * 2**20)
     try:
-        kv = scheduler.warm_prefix(voice)
-        assert scheduler.prefix_cache.stats.entries == 1
-        assert scheduler.warm_prefix(voice) is not None and scheduler.prefix_cache.stats.entries == 1
+        entry = scheduler.warm_prefix(voice)
+        assert isinstance(entry, DeviceTensor) and scheduler.prefix_cache.stats.entries == 1
+        assert scheduler.warm_prefix(voice) is entry and scheduler.prefix_cache.stats.entries == 1
+        kv = scheduler.prefix_to_host(entry)
+        assert scheduler.prefix_cache.stats.bytes == kv.nbytes == entry.nbytes
     finally:
         scheduler.stop()
     s = StreamingSession(model, voice_codes=voice, params=model.default_sampling(greedy=True))
@@ -143,7 +149,7 @@ def test_text_only_turns_copy_the_header_too_and_user_turns_the_system_block(mod
     ids = model.tokenizer.encode(TEXT)[:16]
     scheduler = Scheduler(model, slots=1, prefix_cache_bytes=16 * 2**20)
     try:
-        assert scheduler.warm_prefix(None).shape[3] == opening
+        assert scheduler.runner.kv.prefix_rows(scheduler.warm_prefix(None)) == opening
 
         def copied_by_turn(user_text: str) -> int:
             before = scheduler.runner.timing.prefix_rows_copied
@@ -176,7 +182,7 @@ def test_fp16_kv_slots_and_prefixes(model, fp16_model):
     voice = golden("tts/tts_multiturn.npz")["voice_prompt_codes"].T
     scheduler = Scheduler(fp16_model, slots=1, prefix_cache_bytes=16 * 2**20)
     try:
-        kv = scheduler.warm_prefix(voice)
+        kv = scheduler.prefix_to_host(scheduler.warm_prefix(voice))
     finally:
         scheduler.stop()
     assert kv.dtype == np.float16 and scheduler.prefix_cache.stats.bytes == kv.nbytes
@@ -190,19 +196,27 @@ def test_fp16_kv_slots_and_prefixes(model, fp16_model):
 
 @pytest.mark.parametrize("dtype", ["fp32", "fp16", "bf16"])
 def test_kv_pool_rows_in_every_compute_dtype(dtype):
-    """Slot writes, moves and reads keep the pool's own type bit for bit (bfloat16 too: onnxruntime's
-    Python API has no numpy bfloat16, so rows travel by pointer); bytes per row follow the type."""
+    """Prefix uploads, copies into a slot, slot moves, copies out to a prefix and reads keep the pool's own
+    type bit for bit (bfloat16 too: onnxruntime's Python API has no numpy bfloat16, so rows travel by
+    pointer); bytes per row follow the type."""
     from engine.device import KV_DTYPES
     from engine.kv import BackboneKVPool
 
     dt = KV_DTYPES[dtype]
     pool = BackboneKVPool(2, 2, 8, slots=3, rows=16, dtype=dt)
     rows = (np.random.default_rng(0).standard_normal((2, 2, 2, 5, 8))).astype(dt)
-    pool.copy_rows(rows, 0)
+    prefix = pool.upload_prefix(rows)
+    assert prefix.dtype == dt and pool.prefix_rows(prefix) == 5 and prefix.nbytes == rows.nbytes
+    pool.copy_rows(prefix, 0)
     pool.move(0, 2)
     back = pool.rows_of(2)
     assert back.dtype == dt and pool.lengths[2] == 5
     np.testing.assert_array_equal(back.view(np.uint8), rows.view(np.uint8))
+    again = pool.prefix_of(2, 5)                       # slot -> a new prefix, on the device
+    np.testing.assert_array_equal(pool.download_prefix(again).view(np.uint8), rows.view(np.uint8))
+    pool.copy_rows(again, 1, 3)                        # a prefix's first rows only
+    assert pool.lengths[1] == 3
+    np.testing.assert_array_equal(pool.rows_of(1).view(np.uint8), rows[:, :, :, :3].view(np.uint8))
     assert pool.nbytes_per_slot == BackboneKVPool.bytes_per_slot(2, 2, 8, 16, dt) == 2 * 2 * 2 * 17 * 8 * dt.itemsize
 
 
