@@ -3,7 +3,7 @@
 KV memory is allocated as onnxruntime ``OrtValue``s on the bundle's provider (host memory on CPU, GPU
 memory on CUDA) and bound to the graphs by pointer, so a step moves none of it across the PCIe bus. The
 few operations the host needs on it — keep a slot's first rows as a cached prefix and start a slot with
-them, move a stream to another slot, read rows back — run as tiny graphs on the same provider that write in place (an output bound
+them, move a stream to another slot, copy a prefill's last hidden row, read rows back — run as tiny graphs on the same provider that write in place (an output bound
 to the memory of its input: onnxruntime then updates only the rows it scatters). One code path: on CPU
 the very same graphs run, and every test exercises them.
 """
@@ -104,6 +104,29 @@ class ZeroFill:
         binding.bind_cpu_input("shape", np.array(tensor.shape, np.int64))
         tensor.bind_shaped(binding.bind_output, "zeros", list(tensor.shape))
         session.run_with_iobinding(binding)
+
+
+class LastRow:
+    """Copies the last row of ``[1, T, width]`` float32 device memory into a ``[1, 1, width]`` row of other
+    device memory (a prefill chunk's last hidden state into the row the depth call reads): a Slice whose
+    output is bound to the destination, so nothing crosses to the host."""
+
+    def __init__(self, width: int, providers: list[str]):
+        f, i64 = TensorProto.FLOAT, TensorProto.INT64
+        const = lambda name, v: helper.make_node("Constant", [], [name], value=helper.make_tensor(name, i64, [1], [v]))
+        nodes = [const("start", -1), const("end", 2**62), const("axis", 1),
+                 helper.make_node("Slice", ["rows", "start", "end", "axis"], ["last"])]
+        graph = _graph("last_row", nodes, [helper.make_tensor_value_info("rows", f, [1, "T", width])],
+                       [helper.make_tensor_value_info("last", f, [1, 1, width])])
+        self.width = width
+        self._session = ort.InferenceSession(graph, helper_options(), providers=providers)
+
+    def __call__(self, device: str, src: int, rows: int, dst: int) -> None:
+        """Row ``rows - 1`` of the ``rows`` rows at address ``src`` into the row at address ``dst``."""
+        binding = self._session.io_binding()
+        binding.bind_input("rows", device, 0, TensorProto.FLOAT, [1, rows, self.width], src)
+        binding.bind_output("last", device, 0, TensorProto.FLOAT, [1, 1, self.width], dst)
+        self._session.run_with_iobinding(binding)
 
 
 # ``count`` views ``[1, heads, rows, dim]`` of one layout, each (tensor, index on its leading axis): a slot
