@@ -248,3 +248,48 @@ def test_kv_pool_is_bounded_by_the_rope_tables(model):
     model.kv_pool(1, 16)
     with pytest.raises(InputError, match="RoPE positions"):
         model.kv_pool(1, positions)
+
+
+def test_a_persisted_voice_prefix_round_trips_through_the_device_cache(model, tmp_path):
+    """A voice's prefix is read back from the device once to persist it, uploaded once by another scheduler
+    (as a restarted server does), and a stream there starts from it: a cache hit that copies the rows, with
+    bitwise the KV a plain prefill writes. One larger than the cache's budget is not uploaded."""
+    from engine.scheduler import Scheduler, StreamError, TurnEnd
+    from engine.session import StreamingSession
+    from engine.voices import VoiceRegistry
+
+    voice = golden("tts/tts_multiturn.npz")["voice_prompt_codes"].T
+    registry = VoiceRegistry(tmp_path, "bundle-x")
+    rec = registry.add("narrator", voice)
+    first = Scheduler(model, slots=1, prefix_cache_bytes=16 * 2**20)
+    try:
+        registry.save_prefix(rec, first.prefix_to_host(first.warm_prefix(voice)))
+    finally:
+        first.stop()
+    kv = registry.load_prefix(rec, model.kv_dtype)
+    system = model.prompt.system_block(model.prompt.check_codes(voice))
+    second = Scheduler(model, slots=1, prefix_cache_bytes=16 * 2**20)
+    try:
+        assert second.cache_prefix(system, kv)
+        entry = second.prefix_cache.peek(prefix_key(system))
+        assert isinstance(entry, DeviceTensor) and second.prefix_cache.stats.bytes == kv.nbytes
+        np.testing.assert_array_equal(second.prefix_to_host(entry), kv)
+        h = second.open_stream(voice_codes=voice, params=model.default_sampling(greedy=True), seed=0)
+        h.begin_turn(max_frames=2, wait=60)
+        h.push_token_ids(model.tokenizer.encode(TEXT)[:16])
+        h.end_text()
+        while not isinstance(event := h.get(timeout=120), TurnEnd):
+            assert not isinstance(event, StreamError), event
+        assert second.prefix_cache.stats.hits == 1 and second.runner.timing.prefix_rows_copied == kv.shape[3]
+        h.close()
+        small = Scheduler(model, slots=1, prefix_cache_bytes=kv.nbytes - 1)
+        try:
+            assert not small.cache_prefix(system, kv) and small.prefix_cache.stats.entries == 0
+        finally:
+            small.stop()
+    finally:
+        second.stop()
+    s = StreamingSession(model, voice_codes=voice, params=model.default_sampling(greedy=True))
+    s.begin_turn()
+    s.push_token_ids(model.tokenizer.encode(TEXT))
+    np.testing.assert_array_equal(kv, s.runner.context_kv(s.stream)[:, :, :, :kv.shape[3]])
