@@ -254,13 +254,13 @@ class TTSService:
         VoiceRegistry.check_name(name)
         codes = resolve_voice(self.model, self.limits, wav=(wav, sample_rate))
         rec = self.voices.add(name, codes)
-        kv = self.scheduler.warm_prefix(codes)
-        if kv is not None:
-            self.voices.save_prefix(rec, kv)
+        prefix = self.scheduler.warm_prefix(codes)
+        if prefix is not None:
+            self.voices.save_prefix(rec, self.scheduler.prefix_to_host(prefix))     # read back once
         return rec
 
     def _load_prefix(self, rec: VoiceRecord, codes: np.ndarray) -> None:
-        """A registered voice's persisted prefix KV into the cache (once per process)."""
+        """A registered voice's persisted prefix KV into the cache (once per process: uploaded to the device)."""
         cache = self.scheduler.prefix_cache
         if cache is None:
             return
@@ -274,4 +274,4 @@ class TTSService:
             rows = (len(system), len(self.model.prompt.tts_prompt(codes)))
             if kv is not None and kv.dtype == self.model.kv_dtype and kv.ndim == 5 and kv.shape[3] in rows \
                     and kv.shape[:3] + kv.shape[4:] == (c.layers, 2, c.kv_heads, c.head_dim):
-                cache.put(key, kv)
+                self.scheduler.cache_prefix(system, kv)

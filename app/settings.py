@@ -28,7 +28,7 @@ class ServerSettings(BaseSettings):
     voices_dir: Path = Path.home() / ".local" / "share" / "mossrt" / "voices"
     max_streams: int | None = Field(None, ge=1, le=1024, description="concurrent streams (KV slots)")
     kv_budget_bytes: int | None = Field(None, ge=1, description="memory for KV slots when max_streams is unset")
-    prefix_cache_bytes: int = Field(512 * 2**20, ge=0, description="KV of system prompts and voices kept for reuse")
+    prefix_cache_bytes: int = Field(512 * 2**20, ge=0, description="Device memory (bytes) of system-prompt and voice KV kept for reuse")
     device: Literal["auto", "cpu", "cuda"] = "auto"
     threads: int = Field(0, ge=0, le=256)
     max_input_chars: int = Field(4096, ge=1, le=100_000)

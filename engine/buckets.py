@@ -9,7 +9,9 @@ outputs are ignored). Per bucket a :class:`BucketBuffers` holds device ``OrtValu
 (``hidden``, shared by the backbone step's output and the depth call's input, so it never leaves the
 device; codes; logits; finiteness), bound once into one IOBinding per graph. Per step the host fills small
 host staging arrays, copies them into those buffers (``OrtValue.update_inplace``) and reads back only the
-codes and the per-row finiteness flags. On the CPU provider the very same buffers and bindings run.
+codes and the per-row finiteness flags. A prefill's hidden states stay on the device as well
+(:class:`PrefillBuffers`): its last row is copied into its slot's row of the bucket's ``hidden``. On the
+CPU provider the very same buffers and bindings run.
 
 With fixed addresses and shapes, a bucket's two calls are what a CUDA graph can capture and replay
 (:class:`GraphRegistry` keeps each captured id's shapes: onnxruntime itself does not check them).
@@ -23,7 +25,7 @@ import numpy as np
 import onnxruntime as ort
 from onnx import helper
 
-from .device import ELEMENT
+from .device import ELEMENT, DeviceTensor, LastRow
 from .errors import InputError
 from .sampling import SamplingParams
 
@@ -207,13 +209,9 @@ class BucketBuffers:
             s["uniform"][i] = uniform
         return window
 
-    def set_hidden_rows(self, rows: list[tuple[int, np.ndarray]]) -> None:
-        """Write host hidden states (a prefill's last row) into their slots' rows of the device ``hidden``
-        buffer: the buffer goes down and up once (a turn's first frame only; steps never do this)."""
-        self.hidden.host[:] = self.hidden.value.numpy()
-        for slot, h in rows:
-            self.hidden.host[slot, 0] = h
-        self.hidden.upload()
+    def hidden_row(self, slot: int) -> int:
+        """The device address of slot ``slot``'s row of ``hidden`` (where a prefill's last row is copied)."""
+        return self.hidden.value.data_ptr() + slot * self.hidden.host[0].nbytes
 
     # ------------------------------------------------------------------ binding
     def _bind(self, bind, name: str, buf: _Buffer, shape: list[int] | None = None) -> None:
@@ -252,6 +250,30 @@ class BucketBuffers:
             self.depth_layout[window] = _layout({"history": history, "hidden": self.hidden, "codes": self.codes,
                                                  "logits": self.logits, "finite": self.finite, **self.sampler})
         return self._depth[window]
+
+
+class PrefillBuffers:
+    """A runner's prefill outputs, on the device and allocated once: the hidden states of one chunk
+    (``chunk_rows`` rows, reused by every chunk of every stream) and per slot the last row of its last
+    chunk, kept there until the tick's depth call. The tick's backbone step writes every row of the
+    bucket's ``hidden``, riders' too, so that row is copied into the bucket after the step
+    (:meth:`to_bucket`). Only row copies on the device: no hidden state goes to the host."""
+
+    def __init__(self, model, slots: int, chunk_rows: int, stats: BufferStats):
+        H, self.device = model.config.hidden, model.bundle.device
+        self.hidden = DeviceTensor((chunk_rows, H), self.device)      # float32, as the backbone's output
+        self.last = DeviceTensor((slots, H), self.device)
+        stats.allocations += 2
+        self._copy = LastRow(H, model.bundle.providers)
+
+    def keep_last(self, slot: int, rows: int) -> None:
+        """Keep the last of the ``rows`` hidden rows of the chunk just run as slot ``slot``'s."""
+        self._copy(self.device, self.hidden.view(0, rows)[0], rows, self.last.view(slot, 1)[0])
+
+    def to_bucket(self, bufs: BucketBuffers, slots: list[int]) -> None:
+        """Copy the kept rows of ``slots`` into their rows of the bucket's ``hidden`` (the depth call's input)."""
+        for slot in slots:
+            self._copy(self.device, self.last.view(slot, 1)[0], 1, bufs.hidden_row(slot))
 
 
 def _layout(buffers: dict[str, _Buffer]) -> dict[str, tuple[int, ...]]:

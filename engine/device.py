@@ -2,8 +2,8 @@
 
 KV memory is allocated as onnxruntime ``OrtValue``s on the bundle's provider (host memory on CPU, GPU
 memory on CUDA) and bound to the graphs by pointer, so a step moves none of it across the PCIe bus. The
-few operations the host needs on it — start a slot with cached rows, move a stream to another slot,
-read a slot's rows back — run as tiny graphs on the same provider that write in place (an output bound
+few operations the host needs on it — keep a slot's first rows as a cached prefix and start a slot with
+them, move a stream to another slot, copy a prefill's last hidden row, read rows back — run as tiny graphs on the same provider that write in place (an output bound
 to the memory of its input: onnxruntime then updates only the rows it scatters). One code path: on CPU
 the very same graphs run, and every test exercises them.
 """
@@ -77,6 +77,10 @@ class DeviceTensor:
             raise ValueError(f"shape {shape} does not fit a device tensor of shape {list(self.shape)}")
         bind(name, self.device, 0, ELEMENT[self.dtype], list(shape), self.value.data_ptr())
 
+    @property
+    def nbytes(self) -> int:
+        return self.shape[0] * self.row_bytes
+
 
 def _graph(name: str, nodes, inputs, outputs) -> bytes:
     model = helper.make_model(helper.make_graph(nodes, name, inputs, outputs),
@@ -122,9 +126,49 @@ class ZeroFill:
         session.run_with_iobinding(binding)
 
 
+class LastRow:
+    """Copies the last row of ``[1, T, width]`` float32 device memory into a ``[1, 1, width]`` row of other
+    device memory (a prefill chunk's last hidden state into the row the depth call reads): a Slice whose
+    output is bound to the destination, so nothing crosses to the host."""
+
+    def __init__(self, width: int, providers: list[str]):
+        f, i64 = TensorProto.FLOAT, TensorProto.INT64
+        const = lambda name, v: helper.make_node("Constant", [], [name], value=helper.make_tensor(name, i64, [1], [v]))
+        nodes = [const("start", -1), const("end", 2**62), const("axis", 1),
+                 helper.make_node("Slice", ["rows", "start", "end", "axis"], ["last"])]
+        graph = _graph("last_row", nodes, [helper.make_tensor_value_info("rows", f, [1, "T", width])],
+                       [helper.make_tensor_value_info("last", f, [1, 1, width])])
+        self.width = width
+        self._session = ort.InferenceSession(graph, helper_options(), providers=providers)
+
+    def __call__(self, device: str, src: int, rows: int, dst: int) -> None:
+        """Row ``rows - 1`` of the ``rows`` rows at address ``src`` into the row at address ``dst``."""
+        binding = self._session.io_binding()
+        binding.bind_input("rows", device, 0, TensorProto.FLOAT, [1, rows, self.width], src)
+        binding.bind_output("last", device, 0, TensorProto.FLOAT, [1, 1, self.width], dst)
+        self._session.run_with_iobinding(binding)
+
+
+# ``count`` views ``[1, heads, rows, dim]`` of one layout, each (tensor, index on its leading axis): a slot
+# of every layer's K and V (``slot_rows``), or the ``count`` indices of one tensor (``stacked_rows``)
+Rows = list[tuple[DeviceTensor, int]]
+
+
+def slot_rows(tensors: list[DeviceTensor], slot: int) -> Rows:
+    """Slot ``slot`` of each of ``tensors`` (``[slots, heads, rows, dim]``)."""
+    return [(t, slot) for t in tensors]
+
+
+def stacked_rows(tensor: DeviceTensor) -> Rows:
+    """Every index of ``tensor``'s leading axis (``[count, heads, rows, dim]``): one tensor holding what
+    ``count`` slots hold, e.g. a cached prefix."""
+    return [(tensor, k) for k in range(tensor.shape[0])]
+
+
 class SlotRows:
-    """Row operations on ``count`` tensors ``[slots, heads, rows, dim]`` that share a layout (a layer's K and V
-    across all layers): write host rows into a slot, copy a slot's first rows to another slot, read them.
+    """Row operations on ``count`` views ``[1, heads, rows, dim]`` that share a layout (:data:`Rows`: a slot of
+    each layer's K and V, or a stacked tensor of them): write host rows into them, copy their first rows to
+    other views (slot to slot, slot to a stacked tensor and back: all on the device), read them back.
     Rows move in the tensors' own ``dtype`` (host copies too: a float16 slot's rows are float16)."""
 
     def __init__(self, count: int, heads: int, dim: int, providers: list[str], dtype: np.dtype = np.dtype(np.float32)):
@@ -171,45 +215,53 @@ class SlotRows:
         self._sessions = {name: ort.InferenceSession(g, opts, providers=providers)
                           for name, g in (("write", write), ("copy", copy), ("read", read))}
 
-    def _bind_dst(self, binding, tensors: list[DeviceTensor], slot: int) -> None:
-        for k, t in enumerate(tensors):
-            t.bind_input(binding, f"dst.{k}", slot, 1)
-            t.bind_output(binding, f"out.{k}", slot, 1)       # in place: only the scattered rows change
+    def _bind_dst(self, binding, dst: Rows) -> None:
+        for k, (t, i) in enumerate(dst):
+            t.bind_input(binding, f"dst.{k}", i, 1)
+            t.bind_output(binding, f"out.{k}", i, 1)          # in place: only the scattered rows change
 
-    def write(self, tensors: list[DeviceTensor], slot: int, rows: np.ndarray) -> None:
-        """``rows`` [count, heads, n, dim] (host) into rows 0..n-1 of ``slot`` of every tensor."""
+    def write(self, dst: Rows, rows: np.ndarray) -> None:
+        """``rows`` [count, heads, n, dim] (host) into rows 0..n-1 of every view of ``dst``."""
         session = self._sessions["write"]
         binding = session.io_binding()
-        self._bind_dst(binding, tensors, slot)
+        self._bind_dst(binding, dst)
         host = np.ascontiguousarray(rows, dtype=self.dtype)
-        for k in range(len(tensors)):
+        for k in range(len(dst)):
             self._bind_host(binding.bind_input, f"upd.{k}", host[k][None])
         binding.bind_cpu_input("n", np.array([rows.shape[2]], np.int64))
         session.run_with_iobinding(binding)
 
-    def copy(self, tensors: list[DeviceTensor], src: int, dst: int, n: int) -> None:
-        """Rows 0..n-1 of slot ``src`` into slot ``dst`` of every tensor (on the device)."""
+    def copy(self, src: Rows, dst: Rows, n: int) -> None:
+        """Rows 0..n-1 of every view of ``src`` into the same rows of ``dst`` (on the device)."""
         if n == 0:
             return
         session = self._sessions["copy"]
         binding = session.io_binding()
-        self._bind_dst(binding, tensors, dst)
-        for k, t in enumerate(tensors):
-            t.bind_input(binding, f"src.{k}", src, 1)
+        self._bind_dst(binding, dst)
+        for k, (t, i) in enumerate(src):
+            t.bind_input(binding, f"src.{k}", i, 1)
         binding.bind_cpu_input("n", np.array([n], np.int64))
         session.run_with_iobinding(binding)
 
-    def read(self, tensors: list[DeviceTensor], slot: int, n: int) -> np.ndarray:
-        """Rows 0..n-1 of ``slot`` of every tensor, on the host: [count, heads, n, dim]."""
+    def read(self, src: Rows, n: int) -> np.ndarray:
+        """Rows 0..n-1 of every view of ``src``, on the host: [count, heads, n, dim]."""
+        out = np.empty((len(src), 1, self.heads, n, self.dim), self.dtype)
+        self._read(src, n, [lambda b, name, k=k: self._bind_host(b.bind_output, name, out[k]) for k in range(len(src))])
+        return out[:, 0]
+
+    def read_into(self, src: Rows, n: int, dst: Rows) -> None:
+        """Rows 0..n-1 of every view of ``src`` as the whole of ``dst``'s views (``n`` rows each), on the
+        device: no host round trip."""
+        self._read(src, n, [lambda b, name, t=t, i=i: t.bind_output(b, name, i, 1) for t, i in dst])
+
+    def _read(self, src: Rows, n: int, bind_outputs) -> None:
         session = self._sessions["read"]
         binding = session.io_binding()
-        out = np.empty((len(tensors), 1, self.heads, n, self.dim), self.dtype)
-        for k, t in enumerate(tensors):
-            t.bind_input(binding, f"src.{k}", slot, 1)
-            self._bind_host(binding.bind_output, f"rows.{k}", out[k])
+        for k, ((t, i), bind_out) in enumerate(zip(src, bind_outputs)):
+            t.bind_input(binding, f"src.{k}", i, 1)
+            bind_out(binding, f"rows.{k}")
         binding.bind_cpu_input("n", np.array([n], np.int64))
         session.run_with_iobinding(binding)
-        return out[:, 0]
 
     def _bind_host(self, bind, name: str, array: np.ndarray) -> None:
         """Bind a contiguous host array by pointer with the ONNX element type (so bfloat16 works too); the

@@ -15,7 +15,7 @@ import onnxruntime as ort
 
 from onnx import TensorProto, helper, numpy_helper
 
-from .device import DeviceTensor, SlotRows, ZeroFill, _graph, helper_options
+from .device import DeviceTensor, SlotRows, ZeroFill, _graph, helper_options, slot_rows, stacked_rows
 
 
 # ---------------------------------------------------------------------------------------------- backbone
@@ -33,6 +33,7 @@ class BackboneKVPool:
     def __init__(self, layers: int, kv_heads: int, head_dim: int, slots: int, rows: int,
                  device: str = "cpu", providers: list[str] | None = None, dtype: np.dtype = np.dtype(np.float32)):
         self.layers, self.slots, self.rows = layers, slots, rows
+        self.kv_heads, self.head_dim, self.device = kv_heads, head_dim, device
         self.capacity = rows + 1          # rows per slot in memory, the backbone's total_sequence_length
         self.dtype = np.dtype(dtype)      # the bundle's compute dtype: cached prefixes are kept in it too
         self.tensors = [DeviceTensor((slots, kv_heads, rows + 1, head_dim), device, self.dtype)
@@ -59,19 +60,47 @@ class BackboneKVPool:
 
     def move(self, src: int, dst: int) -> None:
         """Move the stream of slot ``src`` into slot ``dst`` (its filled rows only, on the device)."""
-        self._rows.copy(self.tensors, src, dst, int(self.lengths[src]))
+        self._rows.copy(slot_rows(self.tensors, src), slot_rows(self.tensors, dst), int(self.lengths[src]))
         self.lengths[dst] = self.lengths[src]
         self.lengths[src] = 0
 
-    def copy_rows(self, src: np.ndarray, slot: int) -> None:
-        """Start slot ``slot`` with cached rows ``src`` [layers, 2, kv_heads, n, head_dim] (a prefix)."""
-        self._rows.write(self.tensors, slot, src.reshape(-1, *src.shape[2:]))
-        self.lengths[slot] = src.shape[3]
+    # A prefix is a device tensor [layers * 2, kv_heads, n, head_dim] of the pool's dtype: index 2 * layer + j
+    # holds what the layer's K (j = 0) or V (j = 1) slot holds in its first n rows.
+    @staticmethod
+    def prefix_rows(prefix: DeviceTensor) -> int:
+        """Rows of a prefix."""
+        return prefix.shape[2]
+
+    def copy_rows(self, prefix: DeviceTensor, slot: int, n: int | None = None) -> None:
+        """Start slot ``slot`` with the first ``n`` (default: all) rows of ``prefix``, on the device."""
+        n = self.prefix_rows(prefix) if n is None else n
+        self._rows.copy(stacked_rows(prefix), slot_rows(self.tensors, slot), n)
+        self.lengths[slot] = n
+
+    def prefix_of(self, slot: int, n: int) -> DeviceTensor:
+        """A new prefix holding the first ``n`` rows of slot ``slot`` (a device-to-device copy)."""
+        prefix = self._new_prefix(n)
+        self._rows.read_into(slot_rows(self.tensors, slot), n, stacked_rows(prefix))
+        return prefix
+
+    def upload_prefix(self, rows: np.ndarray) -> DeviceTensor:
+        """A new prefix from host rows [layers, 2, kv_heads, n, head_dim] (of the pool's dtype)."""
+        prefix = self._new_prefix(rows.shape[3])
+        self._rows.write(stacked_rows(prefix), rows.reshape(-1, *rows.shape[2:]))
+        return prefix
+
+    def download_prefix(self, prefix: DeviceTensor) -> np.ndarray:
+        """A host copy of a prefix, [layers, 2, kv_heads, n, head_dim]."""
+        rows = self._rows.read(stacked_rows(prefix), self.prefix_rows(prefix))
+        return rows.reshape(self.layers, 2, *rows.shape[1:])
+
+    def _new_prefix(self, n: int) -> DeviceTensor:
+        return DeviceTensor((2 * self.layers, self.kv_heads, n, self.head_dim), self.device, self.dtype)
 
     def rows_of(self, slot: int, n: int | None = None) -> np.ndarray:
         """A host copy of the first ``n`` (default: all valid) rows of a slot, [layers, 2, kv_heads, n, head_dim]."""
         n = int(self.lengths[slot]) if n is None else n
-        rows = self._rows.read(self.tensors, slot, n)
+        rows = self._rows.read(slot_rows(self.tensors, slot), n)
         return rows.reshape(self.layers, 2, *rows.shape[1:])
 
 

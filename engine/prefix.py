@@ -7,6 +7,11 @@ so the KV those chunks write does not depend on what follows: copying it from he
 a full prefill writes. Entries are keyed by the system block's content (the voice's codes are in the
 rows) and hold its KV, followed by the header's once a text-only turn has computed it (a turn with user
 context copies only the system block's rows); an LRU bounded in bytes.
+
+Entries are device memory (``DeviceTensor``s of the bundle's compute dtype on its device, laid out as
+``BackboneKVPool`` prefixes): an entry is filled from the slot that computed it and copied into a new
+stream's slot by device-to-device copies, so nothing of it crosses the host bus per stream; the budget
+counts device bytes.
 """
 
 from __future__ import annotations
@@ -17,6 +22,8 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 import numpy as np
+
+from .device import DeviceTensor
 
 
 def prefix_key(rows: np.ndarray) -> str:
@@ -34,17 +41,18 @@ class PrefixStats:
 
 
 class PrefixCache:
-    """LRU of KV rows ``[layers, 2, kv_heads, n, head_dim]`` by content key; thread-safe."""
+    """LRU of prefixes (``BackboneKVPool`` layout: ``[layers * 2, kv_heads, n, head_dim]`` on the device) by
+    content key, bounded in device bytes; thread-safe."""
 
     def __init__(self, budget_bytes: int):
         if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes < 0:
             raise ValueError(f"prefix cache budget must be an integer >= 0 bytes, got {budget_bytes!r}")
         self.budget_bytes = budget_bytes
-        self._entries: OrderedDict[str, np.ndarray] = OrderedDict()
+        self._entries: OrderedDict[str, DeviceTensor] = OrderedDict()
         self._lock = threading.Lock()
         self.stats = PrefixStats()
 
-    def get(self, key: str) -> np.ndarray | None:
+    def get(self, key: str) -> DeviceTensor | None:
         with self._lock:
             kv = self._entries.get(key)
             if kv is None:
@@ -54,7 +62,7 @@ class PrefixCache:
             self.stats.hits += 1
             return kv
 
-    def peek(self, key: str) -> np.ndarray | None:
+    def peek(self, key: str) -> DeviceTensor | None:
         """The entry, without counting a hit or a miss or refreshing its place."""
         with self._lock:
             return self._entries.get(key)
@@ -63,7 +71,7 @@ class PrefixCache:
         with self._lock:
             return key in self._entries
 
-    def put(self, key: str, kv: np.ndarray) -> bool:
+    def put(self, key: str, kv: DeviceTensor) -> bool:
         """Keep ``kv`` under ``key``, replacing an entry there (a longer prefix of the same block), and evict
         the least recently used beyond the budget; False if it alone exceeds the budget."""
         if kv.nbytes > self.budget_bytes:

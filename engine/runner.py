@@ -7,7 +7,9 @@ streams (a stream holds one slot while attached). Each :meth:`StepRunner.tick`:
 2. runs prefills as batch-1 backbone calls on the stream's own slot, in chunks of ``prefill_chunk_rows``
    at fixed offsets of the prefill (so results never depend on load), at most about
    ``prefill_rows_per_tick`` rows per tick: running streams wait at most that long for a newcomer. A
-   stream's system block is a chunk of its own, so its KV can come from the prefix cache instead;
+   stream's system block is a chunk of its own, so its KV can come from the prefix cache instead (a
+   device-to-device copy). A chunk's hidden states stay on the device; only the last row of a request
+   is kept (copied on the device) for the depth call;
 3. runs one batched backbone step for every stream that feeds one row, at the tick's batch bucket
    (``engine/buckets.py``: the smallest of 1, 2, 4, … slots covering the highest slot with work, bound once
    at fixed addresses); slots of the bucket with nothing to feed ride along with a dummy row written past
@@ -31,7 +33,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .buckets import CAPTURE_WARM_RUNS, BucketBuffers, BufferStats, bucket_for, bucket_sizes
+from .buckets import CAPTURE_WARM_RUNS, BucketBuffers, BufferStats, PrefillBuffers, bucket_for, bucket_sizes
 from .codec import MAX_FRAMES_PER_CALL
 from .errors import CapacityError, GraphError, InputError
 from .prefix import PrefixCache, prefix_key
@@ -131,6 +133,7 @@ class StepRunner:
         self.bucket_sizes = bucket_sizes(slots)
         self.buffer_stats = BufferStats()
         self._buckets: dict[int, BucketBuffers] = {}
+        self.prefill_buffers = PrefillBuffers(model, slots, prefill_chunk_rows, self.buffer_stats)
         self.capture = capture                      # run the buckets' calls as captured CUDA graphs
         self.warmed = False                         # warm_up ran: codec calls take bucketed stream counts
 
@@ -230,7 +233,7 @@ class StepRunner:
         prefills = sorted((e for e in self._entries if e.request is not None and len(e.request.rows) > 1),
                           key=lambda e: e.serial)
         decodes = [e for e in self._entries if e.request is not None and len(e.request.rows) == 1]
-        done: list[tuple[_Entry, np.ndarray | None]] = []
+        done: list[tuple[_Entry, bool]] = []       # (entry, whether its hidden row is a prefill's)
         if prefills:
             done += self._prefill(prefills, result)
         if decodes or done:
@@ -275,9 +278,10 @@ class StepRunner:
         if self.prefix_cache is None or not req.prefix_cuts or e.fed or self.kv.lengths[e.slot]:
             return
         cached = self.prefix_cache.get(prefix_key(req.rows[: req.prefix_cuts[0]]))
-        n = max((cut for cut in req.prefix_cuts if cached is not None and cut <= cached.shape[3]), default=0)
+        held = 0 if cached is None else self.kv.prefix_rows(cached)
+        n = max((cut for cut in req.prefix_cuts if cut <= held), default=0)
         if n:
-            self.kv.copy_rows(cached if n == cached.shape[3] else cached[:, :, :, :n], e.slot)
+            self.kv.copy_rows(cached, e.slot, n)          # device to device
             e.stream.on_fed(req, req.rows[:n])
             e.fed = n
             self.timing.prefix_rows_copied += n
@@ -290,14 +294,18 @@ class StepRunner:
             return
         key = prefix_key(req.rows[: req.prefix_cuts[0]])
         held = self.prefix_cache.peek(key)
-        if held is None or held.shape[3] < e.fed:
-            self.prefix_cache.put(key, self.kv.rows_of(e.slot, e.fed))
+        if held is None or self.kv.prefix_rows(held) < e.fed:
+            self.prefix_cache.put(key, self.kv.prefix_of(e.slot, e.fed))
 
-    def _prefill(self, entries: list[_Entry], result: TickResult) -> list[tuple[_Entry, np.ndarray]]:
+    def _prefill(self, entries: list[_Entry], result: TickResult) -> list[tuple[_Entry, bool]]:
+        """Chunks of the entries' prefills; the hidden states stay on the device (``prefill_buffers``), the
+        last row of a request's last chunk kept for the depth call. Their finiteness is not checked here:
+        a NaN hidden row (or NaN KV rows it attends to) gives NaN logits, which the depth call's ``finite``
+        flag refuses at the turn's first frame."""
         done = []
         budget = self.prefill_rows_per_tick
         for e in entries:
-            last = None                     # the hidden state of the request's last row, once computed
+            last = False                    # whether the request's last row was computed (and kept)
             if e.request is not None and not e.stream.aborted(e.request):
                 self._from_prefix_cache(e)
             while budget > 0 and e.request is not None and e.fed < len(e.request.rows):
@@ -308,9 +316,10 @@ class StepRunner:
                 end = self._chunk_end(e)
                 rows = e.request.rows[e.fed:end]
                 try:
-                    hidden = self.model.run_backbone(rows[None], self.kv, e.slot, e.slot + 1, self.timing.prefill)
-                    if not np.isfinite(hidden).all():
-                        raise GraphError("the backbone produced NaN/Inf hidden states (damaged bundle?)")
+                    self.model.run_backbone_into(rows[None], self.kv, e.slot, e.slot + 1, self.prefill_buffers.hidden,
+                                                 self.timing.prefill)
+                    if end == len(e.request.rows):
+                        self.prefill_buffers.keep_last(e.slot, len(rows))
                 except Exception as exc:  # noqa: BLE001 - any failure of this stream's call fails this stream only
                     self._fail(e, exc, result)
                     break
@@ -320,9 +329,9 @@ class StepRunner:
                 e.fed = end
                 budget -= len(rows)
                 self._to_prefix_cache(e)
-                last = hidden[0, -1]
+                last = e.fed == len(e.request.rows)
             if e.request is not None and e.fed == len(e.request.rows):
-                # None only for a prime whose rows all came from the prefix cache (no frame follows it): a
+                # False only for a prime whose rows all came from the prefix cache (no frame follows it): a
                 # turn's rows always run past its cacheable prefix
                 done.append((e, last))
         return done
@@ -334,35 +343,33 @@ class StepRunner:
             self._buckets[bucket] = self.model.step_buffers(bucket, self.kv, self.buffer_stats, self.capture)
         return self._buckets[bucket]
 
-    def _step(self, entries: list[_Entry], bufs: BucketBuffers, result: TickResult) -> list[tuple[_Entry, None]]:
+    def _step(self, entries: list[_Entry], bufs: BucketBuffers, result: TickResult) -> list[tuple[_Entry, bool]]:
         def run(group: list[_Entry]) -> list[None]:
             bufs.stage_step({e.slot: e.request.rows[0] for e in group}, self.kv.lengths[: bufs.bucket],
                             self._rider_row)
             self.model.run_step(bufs, self.timing.step)
             return [None] * len(group)                # the hidden states stay in bufs.hidden, on the device
 
-        def commit(e: _Entry, _: None) -> tuple[_Entry, None]:
+        def commit(e: _Entry, _: None) -> tuple[_Entry, bool]:
             self.kv.lengths[e.slot] += 1
             e.stream.on_fed(e.request, e.request.rows)
-            return e, None
+            return e, False
 
         result.worked = True
         return self._isolated(run, commit, entries, result)
 
-    def _depth(self, done: list[tuple[_Entry, np.ndarray | None]], bufs: BucketBuffers,
+    def _depth(self, done: list[tuple[_Entry, bool]], bufs: BucketBuffers,
                result: TickResult) -> list[tuple[_Entry, Frame]]:
         """One frame for each stream of ``done``, from its hidden state: in ``bufs.hidden`` already (a step's
-        row) or given on the host (a prefill's last row, written into its row of the buffer here)."""
-        def run(group: list[tuple[_Entry, np.ndarray | None]]) -> list[tuple[np.ndarray, bool]]:
-            from_prefill = [(e.slot, h) for e, h in group if h is not None]
-            if from_prefill:
-                bufs.set_hidden_rows(from_prefill)
+        row) or kept by its prefill (copied into its row of the buffer here, on the device)."""
+        def run(group: list[tuple[_Entry, bool]]) -> list[tuple[np.ndarray, bool]]:
+            self.prefill_buffers.to_bucket(bufs, [e.slot for e, from_prefill in group if from_prefill])
             window = bufs.stage_depth([(e.slot, e.request.history, e.request.params, e.request.uniform,
                                         e.request.first_frame) for e, _ in group], self.model.history_pad)
             codes, finite = self.model.run_bucket_depth(bufs, window, self.timing.depth)
             return [(codes[e.slot], bool(finite[e.slot])) for e, _ in group]
 
-        def commit(item: tuple[_Entry, np.ndarray | None], out: tuple[np.ndarray, bool]) -> tuple[_Entry, Frame] | None:
+        def commit(item: tuple[_Entry, bool], out: tuple[np.ndarray, bool]) -> tuple[_Entry, Frame] | None:
             e, (codes, finite) = item[0], out
             if not finite:
                 raise GraphError(NON_FINITE_LOGITS)

@@ -25,6 +25,7 @@ from typing import Protocol
 
 import numpy as np
 
+from .device import DeviceTensor
 from .errors import CapacityError, EngineBrokenError, EngineError, InputError, OverloadError, StreamClosedError
 from .limits import Limits
 from .prefix import PrefixCache, prefix_key
@@ -319,18 +320,18 @@ class Scheduler:
                              decode_audio=decode_audio, allow_special_tokens=allow_special_tokens)
         return StreamHandle(self, stream, sink or QueueSink(), self.max_buffered_frames)
 
-    def warm_prefix(self, voice_codes=None, timeout: float = 600) -> np.ndarray | None:
+    def warm_prefix(self, voice_codes=None, timeout: float = 600) -> DeviceTensor | None:
         """Compute (or find) the KV of a text-only first turn's opening for ``voice_codes`` (its system block
-        and the assistant header) in the prefix cache and return it ([layers, 2, kv_heads, rows, head_dim]),
-        so streams with that voice skip those rows. None without a cache or when it alone exceeds the
-        cache's budget."""
+        and the assistant header) in the prefix cache and return its entry (device memory, see
+        :meth:`prefix_to_host`), so streams with that voice skip those rows. None without a cache or when it
+        alone exceeds the cache's budget."""
         if self.prefix_cache is None:
             return None
         probe = StreamState(self.model, voice_codes=voice_codes, limits=self.limits)
         rows = self.model.prompt.tts_prompt(probe.voice_codes)
         key = prefix_key(rows[: probe.system_rows])
         held = self.prefix_cache.peek(key)
-        if held is None or held.shape[3] < len(rows):
+        if held is None or self.runner.kv.prefix_rows(held) < len(rows):
             h = StreamHandle(self, probe, QueueSink(), self.max_buffered_frames)
             try:
                 h.prime_prefix(rows, wait=timeout)
@@ -346,6 +347,18 @@ class Scheduler:
     def wait_warm(self, timeout: float | None = None) -> bool:
         """Wait until the loop is ready to tick (its warm-up, if any, done); returns whether it is."""
         return self._warmed.wait(timeout)
+
+    def prefix_to_host(self, prefix: DeviceTensor) -> np.ndarray:
+        """A host copy of a prefix cache entry, [layers, 2, kv_heads, rows, head_dim] (read once, to persist it)."""
+        return self.runner.kv.download_prefix(prefix)
+
+    def cache_prefix(self, system_rows: np.ndarray, kv: np.ndarray) -> bool:
+        """Keep host KV rows ``kv`` [layers, 2, kv_heads, rows, head_dim] (a persisted prefix) as the prefix
+        cache's entry for the system block ``system_rows``, uploaded once; False without a cache or when it
+        alone exceeds the budget."""
+        if self.prefix_cache is None or kv.nbytes > self.prefix_cache.budget_bytes:
+            return False
+        return self.prefix_cache.put(prefix_key(system_rows), self.runner.kv.upload_prefix(kv))
 
     def drain(self, timeout: float) -> bool:
         """Stop admitting streams and wait up to ``timeout`` s for every turn in progress to end.

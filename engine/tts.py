@@ -16,7 +16,7 @@ import onnxruntime as ort
 from .buckets import BucketBuffers, GraphKey, GraphRegistry, capture_decision
 from .bundle import Bundle
 from .codec import Codec
-from .device import KV_DTYPES
+from .device import KV_DTYPES, DeviceTensor
 from .errors import BundleError, GraphError, InputError
 from .kv import BackboneKVPool
 from .prompt import GridLayout, PromptBuilder
@@ -131,10 +131,25 @@ class TTSModel:
                      timing: CallTiming | None = None) -> np.ndarray:
         """Feed rows ``grid [hi-lo, T, 17]`` to slots ``lo..hi-1`` at their current lengths; the new K/V
         are written in place at those lengths (the caller advances ``pool.lengths``). Returns the rows'
-        hidden states ``[hi-lo, T, H]``."""
+        hidden states ``[hi-lo, T, H]`` on the host (synthesis tools and tests; the runner keeps them on the
+        device with :meth:`run_backbone_into`)."""
+        binding = self._backbone_call(grid, pool, lo, hi, lambda b, shape: b.bind_output("hidden", "cpu"), timing)
+        return binding.get_outputs()[0].numpy()
+
+    def run_backbone_into(self, grid: np.ndarray, pool: BackboneKVPool, lo: int, hi: int, hidden: DeviceTensor,
+                          timing: CallTiming | None = None) -> None:
+        """:meth:`run_backbone` with the hidden states written into the first ``(hi-lo) * T`` rows of
+        ``hidden`` (float32 ``[rows, H]`` device memory, bound by pointer): nothing comes back."""
+        self._backbone_call(grid, pool, lo, hi, lambda b, shape: hidden.bind_shaped(b.bind_output, "hidden", shape),
+                            timing)
+
+    def _backbone_call(self, grid: np.ndarray, pool: BackboneKVPool, lo: int, hi: int, bind_hidden,
+                       timing: CallTiming | None) -> ort.IOBinding:
+        """The one backbone call of a batch of rows (see :meth:`run_backbone`); ``bind_hidden(binding,
+        shape)`` binds its ``hidden`` output. Returns the binding it ran."""
         t0 = time.perf_counter()
         binding = self._backbone.io_binding()
-        binding.bind_output("hidden", "cpu")
+        bind_hidden(binding, [hi - lo, grid.shape[1], self.config.hidden])
         binding.bind_cpu_input("grid", np.ascontiguousarray(grid, dtype=np.int64))
         # GroupQueryAttention's lengths, from the host: each row's last valid KV row after this call, and
         # the slot capacity (a constant: the same for every call on this pool)
@@ -147,10 +162,9 @@ class TTSModel:
         with self.graph_lock:
             self._backbone.run_with_iobinding(binding, self._uncaptured)
         t2 = time.perf_counter()
-        hidden = binding.get_outputs()[0].numpy()
         if timing is not None:
             timing.add(time.perf_counter() - t0, t2 - t1)
-        return hidden
+        return binding
 
     def run_depth(self, hidden: np.ndarray, history: np.ndarray, params: list[SamplingParams],
                   uniform: np.ndarray, first_frame: np.ndarray, timing: CallTiming | None = None) -> np.ndarray:

@@ -147,7 +147,8 @@ def test_the_depth_graph_flags_non_finite_rows(model):
     bufs = model.step_buffers(4, pool, BufferStats())
     h = np.random.default_rng(0).standard_normal((3, model.config.hidden)).astype(np.float32)
     h[2, 5] = np.nan
-    bufs.set_hidden_rows([(0, h[0]), (1, h[1]), (3, h[2])])
+    bufs.hidden.host[[0, 1, 3], 0] = h
+    bufs.hidden.upload()
     p = model.default_sampling()
     empty = np.full((50, model.layout.codebooks), model.history_pad, np.int64)
     u = np.full(model.layout.codebooks, 0.5, np.float32)
@@ -342,3 +343,108 @@ def test_a_warmed_scheduler_captures_nothing_after_start(full_bundle_dir):
         assert frames(ref_sch, 3) == got
     finally:
         ref_sch.stop()
+
+# ---------------------------------------------------------------------------------------------- prefill
+def test_prefill_hidden_stays_on_the_device(model, monkeypatch):
+    """After a warm-up turn, turns through the runner (each with a prefill of chunks, a prefix from the
+    cache, then steps) bind ``hidden`` only to the runner's fixed device buffers, download no hidden rows
+    (not a prefill's, not a step's) and allocate or bind no step buffer; the host-returning
+    ``run_backbone`` is never called."""
+    import onnxruntime as ort
+
+    from engine.prefix import PrefixCache
+    from engine.runner import StepRunner
+    from engine.stream import StreamState
+
+    runner = StepRunner(model, 4, 8192, prefill_chunk_rows=8, prefix_cache=PrefixCache(64 * 2**20))
+
+    def turn():
+        """Three new streams' first turns: the system block from the cache (but for the very first
+        stream), the rest of the prompt in chunks of 8 rows, then steps."""
+        streams = [StreamState(model, params=model.default_sampling(greedy=True), seed=i) for i in range(3)]
+        for st in streams:
+            runner.attach(st)
+            st.begin_turn(max_frames=4)
+            st.push_text(SAY)
+            st.end_text()
+        for _ in range(400):
+            assert not runner.tick().failed
+            if all(st.turn_done and not st.in_flight for st in streams):
+                for st in streams:
+                    runner.detach(st)
+                return
+        pytest.fail("the turn did not end")
+
+    turn()
+    warm = (runner.buffer_stats.allocations, runner.buffer_stats.bindings)
+    prefills = runner.timing.prefill.calls
+    H = model.config.hidden
+    fixed = {runner.prefill_buffers.hidden.value.data_ptr()} | {b.hidden.value.data_ptr()
+                                                                for b in runner._buckets.values()}
+    hidden_binds, downloads = [], []
+    bind_output, numpy = ort.IOBinding.bind_output, ort.OrtValue.numpy
+
+    def recording_bind_output(self, name, *args, **kwargs):
+        if name == "hidden":
+            hidden_binds.append(args)
+        return bind_output(self, name, *args, **kwargs)
+
+    def recording_numpy(self):
+        arr = numpy(self)
+        if arr.dtype == np.float32 and arr.ndim >= 2 and arr.shape[-1] == H:
+            downloads.append(arr.shape)
+        return arr
+
+    def host_backbone(*args, **kwargs):
+        raise AssertionError("the runner called the host-returning run_backbone")
+
+    monkeypatch.setattr(ort.IOBinding, "bind_output", recording_bind_output)
+    monkeypatch.setattr(ort.OrtValue, "numpy", recording_numpy)
+    monkeypatch.setattr(model, "run_backbone", host_backbone)
+    copied = runner.timing.prefix_rows_copied
+    turn()
+    turn()
+    assert runner.timing.prefill.calls >= prefills + 12 and runner.timing.prefix_rows_copied > copied
+    assert hidden_binds and all(len(a) == 5 and a[0] == model.bundle.device and a[4] in fixed for a in hidden_binds), \
+        hidden_binds[:3]
+    assert downloads == []
+    assert (runner.buffer_stats.allocations, runner.buffer_stats.bindings) == warm
+
+
+def test_a_nan_prefix_is_refused_at_the_first_frame_after_its_prefill(model):
+    """A prefill whose rows attend to NaN KV (here a damaged cached prefix) gives NaN hidden states; they
+    never reach the host: the depth call's ``finite`` flag refuses the stream at its first frame, with the
+    depth's GraphError, and a stream prefilled beside it in the same tick speaks."""
+    from conftest import golden
+    from engine.errors import GraphError
+    from engine.prefix import PrefixCache, prefix_key
+    from engine.runner import StepRunner
+    from engine.stream import StreamState
+    from engine.tts import NON_FINITE_LOGITS
+
+    cache = PrefixCache(64 * 2**20)
+    runner = StepRunner(model, 2, 8192, prefix_cache=cache)
+    system = model.prompt.system_block(None)
+    c = model.config
+    nan = np.full((c.layers, 2, c.kv_heads, len(system), c.head_dim), np.nan, model.kv_dtype)
+    cache.put(prefix_key(system), runner.kv.upload_prefix(nan))
+    damaged = StreamState(model, params=model.default_sampling(greedy=True), seed=0)
+    voiced = StreamState(model, voice_codes=golden("tts/tts_multiturn.npz")["voice_prompt_codes"].T,
+                         params=model.default_sampling(greedy=True), seed=0)
+    for st in (damaged, voiced):
+        runner.attach(st)
+        st.begin_turn(max_frames=3)
+        st.push_text(SAY)
+        st.end_text()
+    failed, frames = [], {id(damaged): 0, id(voiced): 0}
+    for _ in range(200):
+        result = runner.tick()
+        failed += result.failed
+        for st, _ in result.frames:
+            frames[id(st)] += 1
+        if voiced.turn_done and not voiced.in_flight and failed:
+            break
+    assert [st for st, _ in failed] == [damaged]
+    assert isinstance(failed[0][1], GraphError) and str(failed[0][1]) == NON_FINITE_LOGITS
+    assert frames[id(damaged)] == 0 and frames[id(voiced)] == 3
+    assert runner.timing.prefix_rows_copied == len(system)

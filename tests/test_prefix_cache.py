@@ -9,6 +9,8 @@ import numpy as np
 import pytest
 
 from conftest import golden, tolerance
+from engine.device import DeviceTensor
+from engine.prefix import prefix_key
 
 TEXT = ("Welcome to the world of MOSS TTS Realtime. Experience how text transforms into smooth, "
         "human-like speech in real time, one small step after another.")
@@ -82,6 +84,8 @@ def test_prefix_cache_is_bitwise_exact_under_load(model):
     cached, s1 = run_all(model, 64 * 2**20)
     assert s0.prefix_cache is None
     stats = s1.prefix_cache.stats
+    entry = s1.prefix_cache.peek(prefix_key(model.prompt.system_block(None)))
+    assert isinstance(entry, DeviceTensor) and entry.dtype == model.kv_dtype      # device memory, not host numpy
     assert stats.hits >= 2 and stats.entries >= 2 and s1.runner.timing.prefix_rows_copied > 0
     assert s1.runner.timing.prefill.calls < s0.runner.timing.prefill.calls     # fewer rows computed
     for (frames_a, ctx_a, kv_a), (frames_b, ctx_b, kv_b) in zip(plain, cached):
@@ -106,9 +110,11 @@ def test_warm_prefix_equals_a_prefill(model):
     voice = golden("tts/tts_multiturn.npz")["voice_prompt_codes"].T
     scheduler = Scheduler(model, slots=1, prefix_cache_bytes=16 * 2**20)
     try:
-        kv = scheduler.warm_prefix(voice)
-        assert scheduler.prefix_cache.stats.entries == 1
-        assert scheduler.warm_prefix(voice) is not None and scheduler.prefix_cache.stats.entries == 1
+        entry = scheduler.warm_prefix(voice)
+        assert isinstance(entry, DeviceTensor) and scheduler.prefix_cache.stats.entries == 1
+        assert scheduler.warm_prefix(voice) is entry and scheduler.prefix_cache.stats.entries == 1
+        kv = scheduler.prefix_to_host(entry)
+        assert scheduler.prefix_cache.stats.bytes == kv.nbytes == entry.nbytes
     finally:
         scheduler.stop()
     s = StreamingSession(model, voice_codes=voice, params=model.default_sampling(greedy=True))
@@ -143,7 +149,7 @@ def test_text_only_turns_copy_the_header_too_and_user_turns_the_system_block(mod
     ids = model.tokenizer.encode(TEXT)[:16]
     scheduler = Scheduler(model, slots=1, prefix_cache_bytes=16 * 2**20)
     try:
-        assert scheduler.warm_prefix(None).shape[3] == opening
+        assert scheduler.runner.kv.prefix_rows(scheduler.warm_prefix(None)) == opening
 
         def copied_by_turn(user_text: str) -> int:
             before = scheduler.runner.timing.prefix_rows_copied
@@ -176,7 +182,7 @@ def test_fp16_kv_slots_and_prefixes(model, fp16_model):
     voice = golden("tts/tts_multiturn.npz")["voice_prompt_codes"].T
     scheduler = Scheduler(fp16_model, slots=1, prefix_cache_bytes=16 * 2**20)
     try:
-        kv = scheduler.warm_prefix(voice)
+        kv = scheduler.prefix_to_host(scheduler.warm_prefix(voice))
     finally:
         scheduler.stop()
     assert kv.dtype == np.float16 and scheduler.prefix_cache.stats.bytes == kv.nbytes
@@ -190,19 +196,27 @@ def test_fp16_kv_slots_and_prefixes(model, fp16_model):
 
 @pytest.mark.parametrize("dtype", ["fp32", "fp16", "bf16"])
 def test_kv_pool_rows_in_every_compute_dtype(dtype):
-    """Slot writes, moves and reads keep the pool's own type bit for bit (bfloat16 too: onnxruntime's
-    Python API has no numpy bfloat16, so rows travel by pointer); bytes per row follow the type."""
+    """Prefix uploads, copies into a slot, slot moves, copies out to a prefix and reads keep the pool's own
+    type bit for bit (bfloat16 too: onnxruntime's Python API has no numpy bfloat16, so rows travel by
+    pointer); bytes per row follow the type."""
     from engine.device import KV_DTYPES
     from engine.kv import BackboneKVPool
 
     dt = KV_DTYPES[dtype]
     pool = BackboneKVPool(2, 2, 8, slots=3, rows=16, dtype=dt)
     rows = (np.random.default_rng(0).standard_normal((2, 2, 2, 5, 8))).astype(dt)
-    pool.copy_rows(rows, 0)
+    prefix = pool.upload_prefix(rows)
+    assert prefix.dtype == dt and pool.prefix_rows(prefix) == 5 and prefix.nbytes == rows.nbytes
+    pool.copy_rows(prefix, 0)
     pool.move(0, 2)
     back = pool.rows_of(2)
     assert back.dtype == dt and pool.lengths[2] == 5
     np.testing.assert_array_equal(back.view(np.uint8), rows.view(np.uint8))
+    again = pool.prefix_of(2, 5)                       # slot -> a new prefix, on the device
+    np.testing.assert_array_equal(pool.download_prefix(again).view(np.uint8), rows.view(np.uint8))
+    pool.copy_rows(again, 1, 3)                        # a prefix's first rows only
+    assert pool.lengths[1] == 3
+    np.testing.assert_array_equal(pool.rows_of(1).view(np.uint8), rows[:, :, :, :3].view(np.uint8))
     assert pool.nbytes_per_slot == BackboneKVPool.bytes_per_slot(2, 2, 8, 16, dt) == 2 * 2 * 2 * 17 * 8 * dt.itemsize
 
 
@@ -234,3 +248,48 @@ def test_kv_pool_is_bounded_by_the_rope_tables(model):
     model.kv_pool(1, 16)
     with pytest.raises(InputError, match="RoPE positions"):
         model.kv_pool(1, positions)
+
+
+def test_a_persisted_voice_prefix_round_trips_through_the_device_cache(model, tmp_path):
+    """A voice's prefix is read back from the device once to persist it, uploaded once by another scheduler
+    (as a restarted server does), and a stream there starts from it: a cache hit that copies the rows, with
+    bitwise the KV a plain prefill writes. One larger than the cache's budget is not uploaded."""
+    from engine.scheduler import Scheduler, StreamError, TurnEnd
+    from engine.session import StreamingSession
+    from engine.voices import VoiceRegistry
+
+    voice = golden("tts/tts_multiturn.npz")["voice_prompt_codes"].T
+    registry = VoiceRegistry(tmp_path, "bundle-x")
+    rec = registry.add("narrator", voice)
+    first = Scheduler(model, slots=1, prefix_cache_bytes=16 * 2**20)
+    try:
+        registry.save_prefix(rec, first.prefix_to_host(first.warm_prefix(voice)))
+    finally:
+        first.stop()
+    kv = registry.load_prefix(rec, model.kv_dtype)
+    system = model.prompt.system_block(model.prompt.check_codes(voice))
+    second = Scheduler(model, slots=1, prefix_cache_bytes=16 * 2**20)
+    try:
+        assert second.cache_prefix(system, kv)
+        entry = second.prefix_cache.peek(prefix_key(system))
+        assert isinstance(entry, DeviceTensor) and second.prefix_cache.stats.bytes == kv.nbytes
+        np.testing.assert_array_equal(second.prefix_to_host(entry), kv)
+        h = second.open_stream(voice_codes=voice, params=model.default_sampling(greedy=True), seed=0)
+        h.begin_turn(max_frames=2, wait=60)
+        h.push_token_ids(model.tokenizer.encode(TEXT)[:16])
+        h.end_text()
+        while not isinstance(event := h.get(timeout=120), TurnEnd):
+            assert not isinstance(event, StreamError), event
+        assert second.prefix_cache.stats.hits == 1 and second.runner.timing.prefix_rows_copied == kv.shape[3]
+        h.close()
+        small = Scheduler(model, slots=1, prefix_cache_bytes=kv.nbytes - 1)
+        try:
+            assert not small.cache_prefix(system, kv) and small.prefix_cache.stats.entries == 0
+        finally:
+            small.stop()
+    finally:
+        second.stop()
+    s = StreamingSession(model, voice_codes=voice, params=model.default_sampling(greedy=True))
+    s.begin_turn()
+    s.push_token_ids(model.tokenizer.encode(TEXT))
+    np.testing.assert_array_equal(kv, s.runner.context_kv(s.stream)[:, :, :, :kv.shape[3]])
