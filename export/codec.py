@@ -156,15 +156,16 @@ def past_names(side: str, stage: int, layer: int) -> tuple[str, str]:
     return f"{side}.past_key.{stage}.{layer}", f"{side}.past_value.{stage}.{layer}"
 
 
-def _rotary_tables(gb: GraphBuilder, pos: str, spec: StageSpec) -> tuple[str, str, str]:
+def _rotary_tables(gb: GraphBuilder, pos: str, shape: str, spec: StageSpec) -> tuple[str, str, str]:
     """(position_ids [B, T], cos_cache, sin_cache [B*T, D/2]) for ``com.microsoft.RotaryEmbedding`` at the
-    positions ``pos`` [B, T]: row ``b*T + i`` of the caches holds the angles of ``pos[b, i]``, so the caches
+    positions ``pos`` [B, T] (``shape``: [B, T] as int64): row ``b*T + i`` of the caches holds the angles of
+    ``pos[b, i]``, so the caches
     cover exactly this call's positions, however far the stream has run. Upstream RoPE (moshi style):
     freqs = exp(i * -ln(max_period) * 2 / D), angles pos * freqs in float32."""
     Dh = spec.head_dim
     freqs = np.exp(np.arange(Dh // 2, dtype=np.float32) * np.float32(-math.log(spec.max_period) * 2 / Dh))
     ang = gb.op("Mul", [gb.cast(gb.reshape(pos, [-1, 1]), FLOAT), gb.const(freqs)])          # [B*T, D/2]
-    ids = gb.op("Reshape", [gb.arange(gb.op("Size", [pos])), gb.op("Shape", [pos])])
+    ids = gb.op("Reshape", [gb.arange(gb.op("Size", [pos])), shape])
     return ids, gb.op("Cos", [ang]), gb.op("Sin", [ang])
 
 
@@ -192,9 +193,10 @@ def _stage(gb: GraphBuilder, ckpt: Checkpoint, x: str, spec: StageSpec, frame_po
         raise CheckpointError(f"missing tensor {p}.input_proj.weight")
     tpf = spec.tokens_per_frame
     pos0 = frame_pos if tpf == 1 else gb.op("Mul", [frame_pos, gb.const(tpf, np.int64)])          # [B, 1]
-    pos = gb.op("Add", [pos0, gb.arange(gb.dim(x, 1))])                                          # [B, T]
+    shape = gb.op("Shape", [x], start=0, end=2)                                                  # [B, T]
+    pos = gb.op("Add", [pos0, gb.arange(gb.op("Gather", [shape, gb.const(1, np.int64)], axis=0))])  # [B, T]
     bias = _window_bias(gb, pos0, pos, spec.past_rows)
-    rope = _rotary_tables(gb, pos, spec)
+    rope = _rotary_tables(gb, pos, shape, spec)
     presents, delta = [], None
     for layer in range(spec.layers):
         lp = f"{p}.transformer.layers.{layer}"
