@@ -469,8 +469,11 @@ def draw(gb: GraphBuilder, f: SortedFilter, uniform: str, vocab: int) -> str:
     with gb.scope("sampling.draw"):
         cdf = gb.op("CumSum", [gb.op("Where", [f.drop, gb.const(0.0), f.probs]), gb.const(-1, np.int64)])
         total = gb.op("Gather", [cdf, gb.const([vocab - 1], np.int64)], axis=-1)          # [B, 1, 1]
-        past = gb.cast(gb.op("Greater", [gb.op("Div", [cdf, total]), uniform]), FLOAT)
-        first = gb.op("ArgMax", [past], axis=-1, keepdims=1)                               # [B, 1, 1]
+        # the first position past u is the count of those at or below it (the ratio never decreases along
+        # the order): a sum, which no kernel's tie order can change (an ArgMax over the 0/1 flags would
+        # rest on CUDA's ArgMax returning the first of equal maxima, which cuDNN does not promise)
+        below = gb.cast(gb.op("LessOrEqual", [gb.op("Div", [cdf, total]), uniform]), INT64)
+        first = gb.op("ReduceSum", [below, gb.const([-1], np.int64)], keepdims=1)          # [B, 1, 1]
         return gb.op("GatherElements", [f.order, first], axis=-1)
 
 

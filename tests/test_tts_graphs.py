@@ -407,9 +407,9 @@ def test_depth_is_written_with_fused_ops(tts_bundle_dir):
     assert ops.count("GroupQueryAttention") == per_position and "Transpose" not in ops[-100:]
     assert ops.count("MatMul") + ops.count("MatMulNBits") == per_position * 5 + 16   # qkv, rope, o, gate_up, down; heads
     assert ops.count("QuickGelu") == per_position and "Sigmoid" not in ops                # SiLU as one node
-    # the draw in sorted order: one ArgMax per codebook (greedy rows are draw settings), no scatter back to
+    # the draw in sorted order: a count per codebook, no ArgMax (greedy rows are draw settings), no scatter back to
     # id order (the one ScatterElements marks the window's ids, once per frame), no clamp or fallback
-    assert ops.count("ArgMax") == 16 and ops.count("ScatterElements") == 1 and "Min" not in ops
+    assert "ArgMax" not in ops and ops.count("ScatterElements") == 1 and "Min" not in ops
     # SwiGLU's per layer and position, the penalty's per codebook: the q/k norm weights sit in the RoPE matrices
     assert ops.count("Mul") == per_position + 16
     assert len(nodes) <= 1421, len(nodes)                # 1,418 + the 3 nodes of the per-row finite flag
