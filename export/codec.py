@@ -124,29 +124,31 @@ def _patch(gb: GraphBuilder, x: str, h: int, channels: int) -> str:
     return gb.reshape(gb.transpose(y, [0, 1, 3, 2]), [0, -1, channels * h])
 
 
-def _unpatch(gb: GraphBuilder, x: str, h: int, channels: int) -> str:
-    """Decoder unpatchify (exact inverse): [B, T, C] → [B, T*h, C/h], output ``[t*h + j, c] = x[t, c*h + j]``."""
+def _unpatch(gb: GraphBuilder, x: str, h: int, channels: int, flat: bool = False) -> str:
+    """Decoder unpatchify (exact inverse): [B, T, C] → [B, T*h, C/h], output ``[t*h + j, c] = x[t, c*h + j]``;
+    ``flat``: straight to the waveform's [B, T*h*C/h] (the same row-major order, one reshape fewer)."""
     y = gb.reshape(x, [0, 0, channels // h, h])
-    return gb.reshape(gb.transpose(y, [0, 1, 3, 2]), [0, -1, channels // h])
+    return gb.reshape(gb.transpose(y, [0, 1, 3, 2]), [0, -1] if flat else [0, -1, channels // h])
 
 
-def _window_bias(gb: GraphBuilder, P: str, pos: str, past_rows: int, context: int) -> str:
+def _window_bias(gb: GraphBuilder, P: str, pos: str, past_rows: int) -> str:
     """Additive attention bias [B, 1, T, C+T] for queries at ``pos[b, i] = P[b, 0] + i`` (``P`` [B, 1]) over
     the ring and the new rows.
 
     Ring slot j holds position ``P - C + ((j - P) mod C)`` (valid when >= 0), new row k position ``P + k``;
-    a key is visible to a query iff it is valid and ``0 <= q - k < context``. Keys and queries are made
-    4-D ([B, 1, 1, C+T] and [B, 1, T, 1]), so the mask comes out in the bias's shape.
+    a key is visible to a query iff it is valid and ``0 <= q - k < context = C + 1``, i.e. iff
+    ``0 <= q - k <= min(q, C)`` (valid: ``k >= 0``). Keys and queries are made 4-D ([B, 1, 1, C+T] and
+    [B, 1, T, 1]), so the mask comes out in the bias's shape.
     """
     C = past_rows
     ring = gb.op("Add", [gb.op("Sub", [P, gb.const(C, np.int64)]),
                          gb.op("Mod", [gb.op("Sub", [gb.const(np.arange(C)[None, :], np.int64), P]),
                                        gb.const(C, np.int64)], fmod=0)])       # [B, C]
     keys = gb.unsqueeze(gb.concat([ring, pos], 1), [1, 2])                    # [B, 1, 1, C+T]
-    d = gb.op("Sub", [gb.unsqueeze(pos, [1, 3]), keys])                       # [B, 1, T, C+T]
-    zero = gb.const(0, np.int64)
-    ok = gb.op("And", [gb.op("And", [gb.op("GreaterOrEqual", [keys, zero]), gb.op("GreaterOrEqual", [d, zero])]),
-                       gb.op("Less", [d, gb.const(context, np.int64)])])
+    queries = gb.unsqueeze(pos, [1, 3])                                       # [B, 1, T, 1]
+    d = gb.op("Sub", [queries, keys])                                         # [B, 1, T, C+T]
+    ok = gb.op("And", [gb.op("GreaterOrEqual", [d, gb.const(0, np.int64)]),
+                       gb.op("LessOrEqual", [d, gb.op("Min", [queries, gb.const(C, np.int64)])])])
     return gb.op("Where", [ok, gb.const(0.0), gb.const(np.finfo(np.float32).min)])
 
 
@@ -154,15 +156,16 @@ def past_names(side: str, stage: int, layer: int) -> tuple[str, str]:
     return f"{side}.past_key.{stage}.{layer}", f"{side}.past_value.{stage}.{layer}"
 
 
-def _rotary_tables(gb: GraphBuilder, pos: str, spec: StageSpec) -> tuple[str, str, str]:
+def _rotary_tables(gb: GraphBuilder, pos: str, shape: str, spec: StageSpec) -> tuple[str, str, str]:
     """(position_ids [B, T], cos_cache, sin_cache [B*T, D/2]) for ``com.microsoft.RotaryEmbedding`` at the
-    positions ``pos`` [B, T]: row ``b*T + i`` of the caches holds the angles of ``pos[b, i]``, so the caches
+    positions ``pos`` [B, T] (``shape``: [B, T] as int64): row ``b*T + i`` of the caches holds the angles of
+    ``pos[b, i]``, so the caches
     cover exactly this call's positions, however far the stream has run. Upstream RoPE (moshi style):
     freqs = exp(i * -ln(max_period) * 2 / D), angles pos * freqs in float32."""
     Dh = spec.head_dim
     freqs = np.exp(np.arange(Dh // 2, dtype=np.float32) * np.float32(-math.log(spec.max_period) * 2 / Dh))
     ang = gb.op("Mul", [gb.cast(gb.reshape(pos, [-1, 1]), FLOAT), gb.const(freqs)])          # [B*T, D/2]
-    ids = gb.op("Reshape", [gb.arange(gb.op("Size", [pos])), gb.op("Shape", [pos])])
+    ids = gb.op("Reshape", [gb.arange(gb.op("Size", [pos])), shape])
     return ids, gb.op("Cos", [ang]), gb.op("Sin", [ang])
 
 
@@ -177,7 +180,8 @@ def _skip_layer_norm(gb: GraphBuilder, x: str, delta: str, weight: np.ndarray, b
 
 def _stage(gb: GraphBuilder, ckpt: Checkpoint, x: str, spec: StageSpec, frame_pos: str, side: str,
            index: int) -> tuple[str, str]:
-    """One ProjectedTransformer over time-major x [B, T, in]; returns (y [B, T, out], present [L,2,B,H,T,Dh]).
+    """One ProjectedTransformer over time-major x [B, T, in] from the call's first frame ``frame_pos`` [B, 1];
+    returns (y [B, T, out], present [L,2,B,H,T,Dh]).
 
     Per layer: LayerNorm (the residual add fused in: SkipLayerNormalization), the packed in_proj, interleaved
     RoPE (RotaryEmbedding), MultiHeadAttention over the ring and the new rows (its present holds both: the
@@ -187,11 +191,12 @@ def _stage(gb: GraphBuilder, ckpt: Checkpoint, x: str, spec: StageSpec, frame_po
         x = gb.linear(x, ckpt.get(f"{p}.input_proj.weight"), f"{p}.input_proj")
     elif spec.input_dim != D:
         raise CheckpointError(f"missing tensor {p}.input_proj.weight")
-    rows = gb.op("Shape", [x], start=1, end=2)                # [T]: the call's new rows, in and out of the stage
-    pos0 = gb.unsqueeze(gb.op("Mul", [frame_pos, gb.const(spec.tokens_per_frame, np.int64)]), [1])   # [B, 1]
-    pos = gb.op("Add", [pos0, gb.arange(gb.squeeze(rows, [0]))])                                  # [B, T]
-    bias = _window_bias(gb, pos0, pos, spec.past_rows, spec.context)
-    rope = _rotary_tables(gb, pos, spec)
+    tpf = spec.tokens_per_frame
+    pos0 = frame_pos if tpf == 1 else gb.op("Mul", [frame_pos, gb.const(tpf, np.int64)])          # [B, 1]
+    shape = gb.op("Shape", [x], start=0, end=2)                                                  # [B, T]
+    pos = gb.op("Add", [pos0, gb.arange(gb.op("Gather", [shape, gb.const(1, np.int64)], axis=0))])  # [B, T]
+    bias = _window_bias(gb, pos0, pos, spec.past_rows)
+    rope = _rotary_tables(gb, pos, shape, spec)
     presents, delta = [], None
     for layer in range(spec.layers):
         lp = f"{p}.transformer.layers.{layer}"
@@ -223,11 +228,10 @@ def _stage(gb: GraphBuilder, ckpt: Checkpoint, x: str, spec: StageSpec, frame_po
         x = gb.linear(x, ckpt.get(f"{p}.output_proj.weight"), f"{p}.output_proj")
     elif spec.output_dim != D:
         raise CheckpointError(f"missing tensor {p}.output_proj.weight")
-    # [k0, v0, k1, v1, ...] each [B, T, H*Dh] → [L, 2, B, T, H, Dh] → [L, 2, B, H, T, Dh]: one reshape and one
-    # transpose per stage rather than per layer
-    shape = gb.concat([gb.const([spec.layers, 2, -1], np.int64), rows,
-                       gb.const([H, Dh], np.int64)], 0)
-    return x, gb.transpose(gb.op("Reshape", [gb.concat(presents, 0), shape]), [0, 1, 2, 4, 3, 5])
+    # [k0, v0, k1, v1, ...] each [B, T, H*Dh] side by side → [B, T, L, 2, H, Dh] (a constant shape) →
+    # [L, 2, B, H, T, Dh]: one reshape and one transpose per stage rather than per layer
+    packed = gb.reshape(gb.concat(presents, -1), [0, 0, spec.layers, 2, H, Dh])
+    return x, gb.transpose(packed, [2, 3, 0, 4, 1, 5])
 
 
 def _dequant_tables(ckpt: Checkpoint, spec: CodecSpec) -> np.ndarray:
@@ -252,6 +256,7 @@ def build_decoder(ckpt: Checkpoint, spec: CodecSpec, path: Path, weight_dtype) -
     codes = gb.input("codes", INT64, ["batch", "frames", nq])
     n_quant = gb.input("n_quantizers", INT64, [])
     frame_pos = gb.input("frame_pos", INT64, ["batch"])
+    first_frame = gb.unsqueeze(frame_pos, [1])              # [B, 1], shared by the stages
     table = gb.weight("quantizer.dequant_table", _dequant_tables(ckpt, spec))
     idx = gb.op("Add", [codes, gb.const(np.arange(nq, dtype=np.int64) * K, np.int64)])
     parts = gb.op("Gather", [table, idx], axis=0)                                    # [B, N, nq, rvq]
@@ -266,13 +271,13 @@ def build_decoder(ckpt: Checkpoint, spec: CodecSpec, path: Path, weight_dtype) -
                      key=lambda t: t[0])
     for _, item in modules:
         if isinstance(item, StageSpec):
-            x, present = _stage(gb, ckpt, x, item, frame_pos, "decoder", si)
+            x, present = _stage(gb, ckpt, x, item, first_frame, "decoder", si)
             _declare_present(gb, present, "decoder", si, item, f"tokens{si}")
             channels, si = item.output_dim, si + 1
         else:
-            x = _unpatch(gb, x, item, channels)
+            x = _unpatch(gb, x, item, channels, flat=item is modules[-1][1])
             channels //= item
-    audio = gb.reshape(x, [0, -1])
+    audio = x if isinstance(modules[-1][1], int) else gb.reshape(x, [0, -1])
     gb.output(audio, "audio", FLOAT, ["batch", "samples"])
     return gb
 
@@ -286,6 +291,7 @@ def build_encoder(ckpt: Checkpoint, spec: CodecSpec, path: Path, weight_dtype) -
     gb = GraphBuilder("codec_encoder", path, weight_dtype)
     wave = gb.input("waveform", FLOAT, ["batch", "samples"])
     frame_pos = gb.input("frame_pos", INT64, ["batch"])
+    first_frame = gb.unsqueeze(frame_pos, [1])              # [B, 1], shared by the stages
     valid = gb.input("valid_frames", INT64, ["batch"])
     x = gb.unsqueeze(wave, [2])                                                       # [B, S, 1]
     patches = dict(spec.encoder_patches)
@@ -295,7 +301,7 @@ def build_encoder(ckpt: Checkpoint, spec: CodecSpec, path: Path, weight_dtype) -
                      key=lambda t: t[0])
     for _, item in modules:
         if isinstance(item, StageSpec):
-            x, present = _stage(gb, ckpt, x, item, frame_pos, "encoder", si)
+            x, present = _stage(gb, ckpt, x, item, first_frame, "encoder", si)
             _declare_present(gb, present, "encoder", si, item, f"tokens{si}")
             channels, si = item.output_dim, si + 1
         else:

@@ -216,7 +216,18 @@ class GraphBuilder:
         return name
 
     def output(self, value: str, name: str, dtype: int, shape: Sequence[Dim]) -> str:
-        self.op("Identity", [value], out=name)
+        """Make ``value`` a graph output called ``name``: the producing node's output is renamed (and every
+        consumer with it), so an output costs no node; a graph input, weight or existing output gets an
+        Identity."""
+        producer = next((n for n in reversed(self.nodes) if value in n.output), None)
+        if producer is None or any(o.name == value for o in self.outputs):
+            self.op("Identity", [value], out=name)
+        else:
+            for node in self.nodes:
+                for field in (node.input, node.output):
+                    for i, v in enumerate(field):
+                        if v == value:
+                            field[i] = name
         return self.declare_output(name, dtype, shape)
 
     def declare_output(self, name: str, dtype: int, shape: Sequence[Dim]) -> str:

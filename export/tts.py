@@ -391,20 +391,32 @@ def history_marks(gb: GraphBuilder, history: str, vocab: int, penalty: str) -> s
         return gb.op("Where", [seen, penalty, gb.const(1.0)])
 
 
-def filter_logits(gb: GraphBuilder, logits: str, penalties: str, rows: SamplerRows, vocab: int) -> tuple[str, str, str]:
-    """The upstream ``sample_token`` filter chain on logits [B, N, V] with the per-id ``penalties``
-    [B, N, V] from :func:`history_marks`. Returns ``(penalized, filtered, probs)``:
+@dataclass(frozen=True)
+class SortedFilter:
+    """The upstream filter chain's values (see :func:`sorted_filter`): ``penalized`` in id order, the rest in the
+    ascending order of the temperature-scaled logits (``order`` maps a sorted position to its id)."""
 
-    * penalized: repetition penalty on the ids seen in the window (x<0 → x*pen, else x/pen; each id once);
-    * filtered: penalized / temperature, then top-k (keep logits >= the k-th largest; k <= 0 or k >= V
-      keeps all), then top-p (ascending stable sort, cumulative softmax accumulated in float64 as torch's
-      CPU cumsum does, drop where it is <= 1 - top_p, always keep the max; top_p >= 1 keeps all); dropped
-      entries are -inf;
-    * probs: softmax(filtered), the distribution a sample is drawn from.
+    penalized: str   # [B, N, V] logits after the repetition penalty, id order
+    scaled: str      # [B, N, V] penalized / temperature, id order
+    order: str       # [B, N, V] int64: the id at each ascending sorted position (ties: lower id first)
+    top_k: str       # [B, N, V] sorted scaled logits, -inf below the k-th largest
+    probs: str       # [B, N, V] softmax(top_k), sorted
+    drop: str        # [B, N, V] bool, sorted: top-p drops the entry (a prefix of the order)
+
+
+def sorted_filter(gb: GraphBuilder, logits: str, penalties: str, rows: SamplerRows, vocab: int) -> SortedFilter:
+    """The upstream ``sample_token`` filter chain on logits [B, N, V] with the per-id ``penalties`` [B, N, V]
+    from :func:`history_marks`, up to the top-p decision, in sorted order:
+
+    * repetition penalty on the ids seen in the window (x<0 → x*pen, else x/pen; each id once);
+    * / temperature, then top-k (keep logits >= the k-th largest; k <= 0 or k >= V keeps all);
+    * top-p: ascending stable sort, cumulative softmax accumulated in float64 as torch's CPU cumsum does,
+      drop where it is <= 1 - top_p, always keep the max (top_p >= 1 keeps all).
 
     Fixed-size: one full-vocabulary sort (TopK with a constant K = V, ties by lower id first: the upstream
     stable sort), thresholds read from it by GatherElements; no shape depends on the data, so nothing
-    needs a device→host copy.
+    needs a device→host copy. The kept entries are a suffix of the order and the dropped ones have
+    probability 0 or are dropped by top-p, so a draw needs no way back to id order but ``order`` itself.
     """
     neg_inf = gb.const(-np.inf)
     with gb.scope("sampling.repetition_penalty"):
@@ -415,16 +427,26 @@ def filter_logits(gb: GraphBuilder, logits: str, penalties: str, rows: SamplerRo
     with gb.scope("sampling.top_k"):
         asc, order = gb.op("TopK", [scaled, gb.const([vocab], np.int64)], n_out=2, axis=-1, largest=0, sorted=1)
         kth = gb.op("GatherElements", [asc, rows.kth], axis=-1)                              # [B, N, 1]
-        asc = gb.op("Where", [gb.op("Less", [asc, kth]), neg_inf, asc])                      # ties all kept
+        top_k = gb.op("Where", [gb.op("Less", [asc, kth]), neg_inf, asc])                    # ties all kept
     with gb.scope("sampling.top_p"):
         # HF TopPLogitsWarper: the -inf entries sort first and add exact zeros to the cumulative sum
-        cum = gb.cast(gb.op("CumSum", [gb.cast(gb.op("Softmax", [asc], axis=-1), DOUBLE), gb.const(-1, np.int64)]),
-                      FLOAT)
+        probs = gb.op("Softmax", [top_k], axis=-1)
+        cum = gb.cast(gb.op("CumSum", [gb.cast(probs, DOUBLE), gb.const(-1, np.int64)]), FLOAT)
         drop = gb.op("LessOrEqual", [cum, rows.cut])
-        # back to id order: ``order`` is a permutation, so every entry of ``scaled`` is overwritten
-        filtered = gb.op("ScatterElements", [scaled, order, gb.op("Where", [drop, neg_inf, asc])], axis=-1)
+    return SortedFilter(penalized=penalized, scaled=scaled, order=order, top_k=top_k, probs=probs, drop=drop)
+
+
+def filter_logits(gb: GraphBuilder, logits: str, penalties: str, rows: SamplerRows, vocab: int) -> tuple[str, str, str]:
+    """:func:`sorted_filter` back in id order: ``(penalized, filtered, probs)`` with filtered the scaled logits,
+    -inf where top-k or top-p dropped them, and probs = softmax(filtered), the distribution upstream draws
+    from."""
+    f = sorted_filter(gb, logits, penalties, rows, vocab)
+    with gb.scope("sampling.top_p"):
+        # ``order`` is a permutation, so every entry of ``scaled`` is overwritten
+        kept = gb.op("Where", [f.drop, gb.const(-np.inf), f.top_k])
+        filtered = gb.op("ScatterElements", [f.scaled, f.order, kept], axis=-1)
         probs = gb.op("Softmax", [filtered], axis=-1)
-    return penalized, filtered, probs
+    return f.penalized, filtered, probs
 
 
 def sampling_filter(gb: GraphBuilder, logits: str, history: str, penalty: str, temperature: str,
@@ -434,18 +456,25 @@ def sampling_filter(gb: GraphBuilder, logits: str, history: str, penalty: str, t
     return filter_logits(gb, logits, history_marks(gb, history, vocab, rows.penalty), rows, vocab)
 
 
-def _draw(gb: GraphBuilder, probs: str, uniform: str, fallback: str, floor: str, vocab: int) -> str:
-    """Inverse-CDF draw from probs [B, 1, V] with u [B, 1, 1] in [0, 1): the first index whose cumulative
-    probability exceeds ``u * total``, where its probability exceeds ``floor`` [B, 1, 1], else ``fallback``
-    [B, 1, 1] int64. A floor of 0 never draws an index of probability 0; a floor of 2 (no probability
-    exceeds it) makes the row take ``fallback`` (greedy rows: one select for both). → [B, 1, 1] int64."""
-    cdf = gb.op("CumSum", [probs, gb.const(-1, np.int64)])
-    total = gb.op("Gather", [cdf, gb.const([vocab - 1], np.int64)], axis=-1)            # [B, 1, 1]
-    count = gb.op("ReduceSum", [gb.cast(gb.op("LessOrEqual", [cdf, gb.op("Mul", [uniform, total])]), INT64),
-                                gb.const([-1], np.int64)], keepdims=1)                   # [B, 1, 1]
-    idx = gb.op("Min", [count, gb.const([vocab - 1], np.int64)])
-    picked = gb.op("GatherElements", [probs, idx], axis=-1)
-    return gb.op("Where", [gb.op("Greater", [picked, floor]), idx, fallback])
+def draw(gb: GraphBuilder, f: SortedFilter, uniform: str, vocab: int) -> str:
+    """Inverse-CDF draw of one id per row from the filtered distribution, in sorted order: f [B, 1, V], u
+    [B, 1, 1] in [0, 1) → the id [B, 1, 1] int64 at the first sorted position whose cumulative kept
+    probability, over the kept total, exceeds u.
+
+    The kept probabilities are ``f.probs`` with top-p's drops zeroed (proportional to upstream's
+    softmax over the kept logits). Zero-probability entries sort first and never raise the cumulative
+    sum, so the first position past u has probability > 0; the last position's ratio is total / total
+    = 1 > u exactly, so some position always is (no clamp, no fallback). u = 0 takes the first kept
+    position: the lowest id among the largest logits' ties when top-k is 1 (upstream's argmax)."""
+    with gb.scope("sampling.draw"):
+        cdf = gb.op("CumSum", [gb.op("Where", [f.drop, gb.const(0.0), f.probs]), gb.const(-1, np.int64)])
+        total = gb.op("Gather", [cdf, gb.const([vocab - 1], np.int64)], axis=-1)          # [B, 1, 1]
+        # the first position past u is the count of those at or below it (the ratio never decreases along
+        # the order): a sum, which no kernel's tie order can change (an ArgMax over the 0/1 flags would
+        # rest on CUDA's ArgMax returning the first of equal maxima, which cuDNN does not promise)
+        below = gb.cast(gb.op("LessOrEqual", [gb.op("Div", [cdf, total]), uniform]), INT64)
+        first = gb.op("ReduceSum", [below, gb.const([-1], np.int64)], keepdims=1)          # [B, 1, 1]
+        return gb.op("GatherElements", [f.order, first], axis=-1)
 
 
 def build_sampling_filter(path: Path, vocab: int = AUDIO_VOCAB, rvq: int = RVQ) -> GraphBuilder:
@@ -546,9 +575,14 @@ def build_depth(ckpt: Checkpoint, cfg: TTSConfig, path: Path, weight_dtype, matm
     penalty, temperature, top_k, top_p = _sampling_inputs(gb)
     greedy = gb.input("greedy", BOOL, ["batch"])
     uniform = gb.input("uniform", FLOAT, ["batch", N])
+    with gb.computing(np.float32), gb.scope("sampling.greedy"):
+        # greedy rows (and temperature <= 0) as settings of the one draw: top-k 1 keeps the largest penalized
+        # logit's ties, temperature and top-p 1 leave them as they are, u = 0 takes the first, the lowest id
+        greedy = gb.op("Or", [greedy, gb.op("LessOrEqual", [temperature, gb.const(0.0)])])
+        top_k = gb.op("Where", [greedy, gb.const(1, np.int64), top_k])
+        temperature, top_p = (gb.op("Where", [greedy, gb.const(1.0), v]) for v in (temperature, top_p))
+        uniform = gb.op("Where", [gb.unsqueeze(greedy, [1]), gb.const(0.0), uniform])
     with gb.computing(np.float32):
-        greedy = gb.unsqueeze(gb.op("Or", [greedy, gb.op("LessOrEqual", [temperature, gb.const(0.0)])]), [1, 2])
-        floor = gb.op("Where", [greedy, gb.const(2.0), gb.const(0.0)])      # greedy rows never take the draw
         rows = sampler_rows(gb, penalty, temperature, top_k, top_p, V, books=1)
         # per-codebook slices, made once: the window's id penalties [B, 1, V] and the uniforms [B, 1, 1]
         pens = gb.op("Split", [history_marks(gb, history, V, rows.penalty)], n_out=N, axis=1, num_outputs=N)
@@ -583,12 +617,7 @@ def build_depth(ckpt: Checkpoint, cfg: TTSConfig, path: Path, weight_dtype, matm
                 logits = gb.to_compute(gb.matmul(h, heads[p]), compute_dtype)              # [B, 1, V] float32
             all_logits.append(logits)
             with gb.computing(np.float32):
-                penalized, _, probs = filter_logits(gb, logits, pens[p], rows, V)
-                with gb.scope("sampling.draw"):
-                    # greedy rows: argmax of the penalized logits; the others' draw falls back to the
-                    # most probable id: one ArgMax for both
-                    best = gb.op("ArgMax", [gb.op("Where", [greedy, penalized, probs])], axis=-1, keepdims=1)
-                    code = gb.squeeze(_draw(gb, probs, draws[p], best, floor, V), [2])      # [B, 1]
+                code = gb.squeeze(draw(gb, sorted_filter(gb, logits, pens[p], rows, V), draws[p], V), [2])  # [B, 1]
             codes.append(code)
             if p + 1 < N:
                 x = gb.embedding(code, ckpt.get(f"{LOCAL}.embed_tokens.{p}.weight", dtype=None),
