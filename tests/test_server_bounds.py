@@ -45,6 +45,15 @@ def metric(server: Server, name: str, **labels) -> float:
     return 0.0
 
 
+def requests_counted(server: Server) -> dict:
+    """Every ``mossrt_requests_total`` sample: (endpoint, status) → count."""
+    for fam in text_string_to_metric_families(httpx.get(server.base + "/metrics", timeout=10).text):
+        if fam.name == "mossrt_requests":
+            return {(x.labels.get("endpoint"), x.labels.get("status")): x.value for x in fam.samples
+                    if x.name == "mossrt_requests_total"}
+    return {}
+
+
 def wait_for(predicate, timeout: float, what: str, interval: float = 0.1):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -199,8 +208,11 @@ def test_client_reset_while_the_server_is_blocked_sending_frees_the_slot(full_bu
             r = httpx.post(s.base + "/v1/audio/speech", timeout=60,
                            json={"model": "x", "input": "Hello there.", "response_format": "pcm"})
             assert r.status_code == 200, r.text
-        wait_for(lambda: metric(s, "mossrt_requests_total", endpoint=label, status="client_disconnected") == 2,
-                 SLOT_BOUND_S, "both reset streams counted as client_disconnected")
+        try:
+            wait_for(lambda: metric(s, "mossrt_requests_total", endpoint=label, status="client_disconnected") == 2,
+                     SLOT_BOUND_S, "both reset streams counted as client_disconnected")
+        except AssertionError as e:     # say how they were counted instead (this has failed once under load)
+            raise AssertionError(f"{e}; counted: {requests_counted(s)}\n{s.log()[-3000:]}") from None
 
 
 # ---------------------------------------------------------------------------------------------- item 7
