@@ -27,33 +27,25 @@ class DeviceTensor:
     """A tensor of ``dtype`` (a float type of :data:`ELEMENT`) on ``device`` whose leading axis can be bound
     in contiguous pieces. Its address (``value.data_ptr()``) is fixed for its life."""
 
-    def __init__(self, shape: tuple[int, ...], device: str, dtype: np.dtype = np.dtype(np.float32),
-                 _zeroed_host: bool = False):
+    def __init__(self, shape: tuple[int, ...], device: str, dtype: np.dtype = np.dtype(np.float32)):
         self.shape = tuple(int(s) for s in shape)
         self.device = device
         self.dtype = np.dtype(dtype)
         if self.dtype not in ELEMENT:
             raise ValueError(f"device tensors hold {sorted(str(d) for d in ELEMENT)}, not {self.dtype}")
-        if _zeroed_host:
-            # host memory from np.zeros (see zeros()); the OrtValue wraps it without a copy and holds it for
-            # its life, and the ONNX element type says bfloat16 where numpy cannot
-            self.value = ort.OrtValue.ortvalue_from_numpy_with_onnx_type(np.zeros(self.shape, self.dtype),
-                                                                         ELEMENT[self.dtype])
-        else:
-            # element types as ONNX ints: onnxruntime's Python API takes no numpy bfloat16
-            self.value = ort.OrtValue.ortvalue_from_shape_and_type(list(self.shape), ELEMENT[self.dtype], device, 0)
+        # element types as ONNX ints: onnxruntime's Python API takes no numpy bfloat16
+        self.value = ort.OrtValue.ortvalue_from_shape_and_type(list(self.shape), ELEMENT[self.dtype], device, 0)
         # bytes of one index of the leading axis
         self.row_bytes = int(np.prod(self.shape[1:])) * self.dtype.itemsize
 
     @classmethod
     def zeros(cls, shape: tuple[int, ...], device: str, fill: "ZeroFill",
               dtype: np.dtype = np.dtype(np.float32)) -> "DeviceTensor":
-        """A tensor that starts at zero. On CPU its memory is a ``np.zeros`` array: calloc'd pages the OS
-        maps as zero and makes resident only when written, so a large ring costs no RSS until streams use
-        it. Elsewhere fresh device memory is uninitialised: allocated, then set to zero by ``fill`` on the
-        device."""
-        if device == "cpu":
-            return cls(shape, device, dtype, _zeroed_host=True)
+        """A tensor set to zero now, by ``fill`` on its device, on every provider. Fresh memory is
+        uninitialised on a GPU; on CPU, zero pages the OS maps lazily (np.zeros) would be faulted in on their
+        first use instead, and a codec ring is read whole by its stream's first decode: measured at real
+        dimensions, that put 0.3-0.65 s of page faults into the first frame of every slot's first stream.
+        So the memory is resident from the start: what every slot needs at full load anyway."""
         tensor = cls(shape, device, dtype)
         fill(tensor)
         return tensor

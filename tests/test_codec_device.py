@@ -99,32 +99,23 @@ def _rss_mib() -> float:
         return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 1024
 
 
-def test_zeroed_cpu_tensors_cost_no_resident_memory_until_written(codec):
-    """On CPU a zeroed device tensor is untouched zero pages (np.zeros, wrapped without a copy): 512 MiB of
-    it adds far less than that to the process's resident memory, reads as zeros, keeps its address, and
-    a codec's rings for many slots (zeroed the same way) are not resident either; decoding still works."""
+def test_codec_rings_are_zeroed_and_resident_at_allocation(codec):
+    """The rings are written with zeros when they are allocated, on CPU too: their memory is resident from
+    the start (at least 90 % of the rings' size joins the process's RSS when the decoder is made), so a
+    stream's first decode, which reads its ring whole, never pays the page faults of lazily mapped zero
+    pages inside its first frame (0.3-0.65 s at real dimensions, measured); decoding then matches the golden."""
     import pytest
 
     from conftest import TEST_DEVICE
-    from engine.device import DeviceTensor, ZeroFill
 
     if TEST_DEVICE != "cpu":
-        pytest.skip("the lazy zero pages are the CPU provider's; device memory is zero-filled on the device")
-    before = _rss_mib()
-    t = DeviceTensor.zeros((512, 256, 1024), "cpu", ZeroFill(["CPUExecutionProvider"]))      # 512 MiB fp32
-    grown = _rss_mib() - before
-    assert grown < 64, f"a zeroed 512 MiB tensor made {grown:.0f} MiB resident"
-    ptr = t.value.data_ptr()
-    view = t.value.numpy()
-    assert view.shape == (512, 256, 1024) and not view[::7, ::5].any() and not view[-1].any()
-    assert t.value.data_ptr() == ptr == view.ctypes.data          # the OrtValue is the array's memory
-
+        pytest.skip("host RSS measures the CPU provider's memory only")
     slots = 256
     ring_mib = codec.decoder_bytes_per_stream() * (slots + 1) / 2**20
     before = _rss_mib()
     dec = codec.streaming_decoder(slots=slots, n_quantizers=16)
     grown = _rss_mib() - before
-    assert ring_mib > 128 and grown < ring_mib / 4, f"rings of {ring_mib:.0f} MiB made {grown:.0f} MiB resident"
+    assert ring_mib > 128 and grown > 0.9 * ring_mib, f"rings of {ring_mib:.0f} MiB made {grown:.0f} MiB resident"
     codes = long_codes(codec)
     audio = dec.decode_checked(codes[None, :7], np.array([7]))[0]
     solo = golden(LONG)["dec16_audio"][:7 * 1920]
