@@ -233,6 +233,8 @@ def test_stream_input_single_context(server):
     ({"text": 5, "context_id": "a"}, "invalid_message"),
     ({"text": "hi", "context_id": "a", "flush": "yes"}, "invalid_message"),
     ("not json", "invalid_json"),
+    ("[" * 100_000 + "]" * 100_000, "invalid_json"),        # nesting past the parser's depth
+    ('{"text": ' + "9" * 5_000 + "}", "invalid_json"),         # past Python's int-string limit
     (["a list"], "invalid_message"),
 ])
 def test_bad_messages_get_an_error_and_keep_the_socket(server, message, code):

@@ -36,7 +36,7 @@ from ..elevenlabs.protocol import DEFAULT_INACTIVITY_TIMEOUT, ClientMessage, Con
 from ..errors import ApiError, from_engine
 from ..metrics import FRAME_SECONDS, StreamMeter
 from ..service import SamplingFields, TTSService
-from .ws import end_session
+from .ws import FrameRefused, end_session, json_frame
 
 log = logging.getLogger("mossrt.elevenlabs")
 router = APIRouter()
@@ -187,17 +187,10 @@ class ElevenLabsSession:
         self.timeout = float(params.inactivity_timeout or DEFAULT_INACTIVITY_TIMEOUT)
 
     async def on_message(self, message: dict) -> None:
-        if message.get("bytes") is not None:
-            await self.error("invalid_message", "send JSON text frames")
-            return
-        raw = message.get("text") or ""
-        if len(raw.encode()) > self.settings.ws_max_message_bytes:
-            await self.error("message_too_large", f"messages are limited to {self.settings.ws_max_message_bytes} bytes")
-            return
         try:
-            data = json.loads(raw)
-        except json.JSONDecodeError as e:
-            await self.error("invalid_json", f"not valid JSON: {e}")
+            data = json_frame(message, self.settings.ws_max_message_bytes)
+        except FrameRefused as e:
+            await self.error("invalid_message" if e.code == "binary" else e.code, e.message)
             return
         context_id = data.get("context_id") if isinstance(data, dict) and isinstance(data.get("context_id"), str) \
             else None

@@ -88,6 +88,28 @@ class Bare(BaseModel):
     event_id: StrictStr | None = None
 
 
+class FrameRefused(Exception):
+    """A WebSocket frame that is not one JSON text message within the size limit: ``code`` is ``binary``,
+    ``message_too_large`` or ``invalid_json``."""
+
+    def __init__(self, code: str, message: str):
+        super().__init__(message)
+        self.code, self.message = code, message
+
+
+def json_frame(message: dict, max_bytes: int):
+    """The JSON value of a received text frame (both WebSocket protocols); FrameRefused otherwise."""
+    if message.get("bytes") is not None:
+        raise FrameRefused("binary", "send JSON text frames")
+    text = message.get("text") or ""
+    if len(text.encode()) > max_bytes:
+        raise FrameRefused("message_too_large", f"messages are limited to {max_bytes} bytes")
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError) as e:     # also a 5,000-digit integer, nesting past the parser's depth
+        raise FrameRefused("invalid_json", f"not valid JSON: {str(e)[:200]}") from None
+
+
 def end_session(metrics, sender: asyncio.Task | None, handle: StreamHandle | None) -> None:
     """A WebSocket session's teardown, whatever ended it (both WebSocket protocols): uncount it, stop its
     audio sender, free its stream's slot."""
@@ -229,18 +251,14 @@ class WsSession:
             end_session(self.metrics, self._sender, self.handle)
 
     async def handle_message(self, message: dict) -> None:
-        if message.get("bytes") is not None:
-            await self.error("binary_not_expected", "send JSON text frames; binary frames are for audio the server "
-                                                    "sends")
-            return
-        text = message.get("text") or ""
-        if len(text.encode()) > self.settings.ws_max_message_bytes:
-            await self.error("message_too_large", f"messages are limited to {self.settings.ws_max_message_bytes} bytes")
-            return
         try:
-            data = json.loads(text)
-        except (ValueError, RecursionError) as e:     # also a 5,000-digit integer, nesting past the parser's depth
-            await self.error("invalid_json", f"not valid JSON: {str(e)[:200]}")
+            data = json_frame(message, self.settings.ws_max_message_bytes)
+        except FrameRefused as e:
+            if e.code == "binary":
+                await self.error("binary_not_expected", "send JSON text frames; binary frames are for audio the "
+                                                        "server sends")
+            else:
+                await self.error(e.code, e.message)
             return
         if not isinstance(data, dict) or not isinstance(data.get("type"), str):
             await self.error("invalid_message", "every message is a JSON object with a string \"type\"")
