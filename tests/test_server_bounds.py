@@ -85,21 +85,31 @@ def reset(sock: socket.socket) -> None:
     sock.close()
 
 
-def holding_stream(server: Server, rcvbuf: int = 4096, route: str = "openai") -> socket.socket:
+def holding_stream(server: Server, rcvbuf: int = 4096, route: str = "openai", attempts: int = 5) -> socket.socket:
     """A long pcm stream whose client reads nothing: once the socket buffers are full the server is blocked
-    in ``send`` and generation pauses. Returns when the stream holds its slot and has stopped generating."""
-    path, body, _ = STREAMING_ROUTES[route]
-    sock = raw_request(server, json.dumps(body).encode(), path=path, rcvbuf=rcvbuf)
-    wait_for(lambda: metric(server, "mossrt_active_streams") == 1, 30, "the stream took its slot")
-    last = [-1.0]
+    in ``send`` and generation pauses. Returns when the stream holds its slot and has stopped generating.
+    The random test model samples its end of speech at random: a stream that ended before the buffers
+    filled (all of it sent, counted 200) holds nothing, so another is opened in its place."""
+    path, body, label = STREAMING_ROUTES[route]
+    ended = lambda: sum(v for (endpoint, _), v in requests_counted(server).items() if endpoint == label)
+    for _ in range(attempts):
+        before = ended()
+        sock = raw_request(server, json.dumps(body).encode(), path=path, rcvbuf=rcvbuf)
+        wait_for(lambda: metric(server, "mossrt_active_streams") == 1 or ended() > before, 30,
+                 "the stream took its slot")
+        last = [-1.0]
 
-    def paused() -> bool:
-        frames = metric(server, "mossrt_frames_generated_total")
-        done, last[0] = frames == last[0], frames
-        return done
+        def paused() -> bool:
+            frames = metric(server, "mossrt_frames_generated_total")
+            done, last[0] = frames == last[0], frames
+            return done
 
-    wait_for(paused, 60, "generation paused behind the unread socket", interval=1.0)
-    return sock
+        wait_for(paused, 60, "generation paused behind the unread socket", interval=1.0)
+        if metric(server, "mossrt_active_streams") == 1 and ended() == before:
+            return sock
+        sock.close()
+        wait_for(lambda: metric(server, "mossrt_active_streams") == 0, 30, "the ended stream's slot freed")
+    raise AssertionError(f"{attempts} streams ended on their own before the server blocked sending")
 
 
 def rss_mib(pid: int) -> tuple[float, float]:
