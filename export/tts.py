@@ -211,10 +211,11 @@ def check_tensor_shapes(ckpt: Checkpoint, cfg: TTSConfig) -> None:
 class Layer:
     """One Qwen3 decoder layer's weights, added to the graph once and shared by every call site.
 
-    q/k/v are one packed projection (``self_attn.qkv_proj``) and gate/up another (``mlp.gate_up_proj``),
-    each split after its matmul; Qwen3's q/k RMSNorm sits between the projection and RoPE, which is why
-    the packed output is split rather than handed to the attention op packed. Residual adds are fused
-    into the following norm (``SkipSimplifiedLayerNormalization``). The q/k norm weights (``norms``) are
+    q/k/v are one packed projection (``self_attn.qkv_proj``) and gate/up another (``mlp.gate_up_proj``,
+    split after its matmul). Qwen3's q/k RMSNorm sits between the projection and RoPE, so the packed q/k/v
+    goes through the norm and the rotation whole and a select puts the v heads back as projected, before it
+    is handed to the attention op packed. Residual adds are fused into the following norm
+    (``SkipSimplifiedLayerNormalization``). The q/k norm weights (``norms``) are
     kept as arrays: each graph lays them out for its own fused q/k path.
     """
 
@@ -240,25 +241,31 @@ class Layer:
                 return gb.rms_norm_named(x, self.ln1, self.spec.rms_eps), x
             return gb.skip_rms_norm(x, delta, self.ln1, self.spec.rms_eps)
 
-    def rotated_heads(self, gb: GraphBuilder, h: str, positions: str, cos: str, sin: str) -> tuple[str, str, str]:
-        """Normed input [B, T, hidden] → q [B, T, H*D], k and v [B, T, KV*D] for GroupQueryAttention: the packed
-        projection split into q+k and v; q and k as one tensor of H + KV heads through one RMSNorm over
-        head_dim (unit scale, then each head's weight: ``qk_norm`` [H + KV, D]) and one RotaryEmbedding at
-        ``positions`` (every head of a row shares its position), then split."""
+    def rotated_qkv(self, gb: GraphBuilder, h: str, positions: str, cos: str, sin: str,
+                    qkv_shape: str | None) -> tuple[str, str]:
+        """Normed input [B, T, hidden] → the packed q/k/v [B, T, (H + 2 KV) * D] GroupQueryAttention takes as
+        its one query input: q and k after their per-head RMSNorm and RoPE at ``positions``, v as projected.
+
+        Every head of the packed projection goes through one RMSNorm over head_dim (rows of [H + 2 KV, D]: each
+        head's own weight, through the norm's (1, heads, D) scale broadcast, which onnxruntime's CPU and CUDA
+        kernels take at axis 2 of a 3-D input) and one RotaryEmbedding (every head of a row shares its
+        position); a select then puts the v heads back as projected. Normalizing and rotating the v heads
+        costs KV/(H + 2 KV) more elementwise work and saves the two splits around the q/k path. Returns (packed,
+        ``qkv_shape``): the projection's [B, T, (H + 2 KV) * D], the same for every layer, read here from the
+        first layer's projection when ``qkv_shape`` is None (a Shape node reads metadata only: no copy)."""
         s = self.spec
-        qk_heads = s.heads + s.kv_heads
+        heads = s.heads + 2 * s.kv_heads
         with gb.scope(f"{self.name}.self_attn"):
-            unit = gb.weight(f"{self.name}.self_attn.qk_norm.unit", np.ones(s.head_dim, np.float32))
             rows = gb.tensor(f"{self.name}.self_attn.qk_norm", np.concatenate(
-                [np.tile(self.norms[0], (s.heads, 1)), np.tile(self.norms[1], (s.kv_heads, 1))]).astype(gb.compute_dtype))
-            qk, v = gb.op("Split", [gb.matmul(h, self.qkv_proj), gb.const([qk_heads * s.head_dim, s.kv_heads * s.head_dim],
-                                                                          np.int64)], n_out=2, axis=-1)
-            qk = gb.op("Mul", [gb.rms_norm_named(gb.reshape(qk, [0, 0, qk_heads, s.head_dim]), unit, s.rms_eps), rows])
-            qk = gb.op("RotaryEmbedding", [gb.reshape(qk, [0, 0, qk_heads * s.head_dim]), positions, cos, sin],
-                       domain="com.microsoft", interleaved=0, num_heads=qk_heads)
-            q, k = gb.op("Split", [qk, gb.const([s.heads * s.head_dim, s.kv_heads * s.head_dim], np.int64)], n_out=2,
-                         axis=-1)
-            return q, k, v
+                [np.tile(self.norms[0], (s.heads, 1)), np.tile(self.norms[1], (s.kv_heads, 1)),
+                 np.ones((s.kv_heads, s.head_dim), np.float32)])[None].astype(gb.compute_dtype))
+            qkv = gb.matmul(h, self.qkv_proj)
+            qkv_shape = qkv_shape or gb.op("Shape", [qkv])
+            normed = gb.rms_norm_named(gb.reshape(qkv, [-1, heads, s.head_dim]), rows, s.rms_eps)
+            rotated = gb.op("RotaryEmbedding", [gb.op("Reshape", [normed, qkv_shape]), positions, cos, sin],
+                            domain="com.microsoft", interleaved=0, num_heads=heads)
+            values = gb.const(np.arange(heads * s.head_dim) >= (s.heads + s.kv_heads) * s.head_dim, np.bool_)
+            return gb.op("Where", [values, qkv, rotated]), qkv_shape
 
     def post_attention(self, gb: GraphBuilder, x: str, att: str) -> tuple[str, str]:
         """o_proj of the attention output [B, T, H*D], added to the stream inside the post-attention
@@ -289,8 +296,9 @@ def build_backbone(ckpt: Checkpoint, cfg: TTSConfig, path: Path, weight_dtype, m
     → hidden [B, T, hidden] (float32).
 
     RoPE is ``com.microsoft.RotaryEmbedding`` at the host's ``position_ids`` [B, T] (cos/sin tables of
-    ``max_positions`` rows; GroupQueryAttention's own ``do_rotary`` would save two nodes a layer but needs
-    head_dim % 16 == 0 on CPU, which the tiny golden models lack: one code path for both). Attention is
+    ``max_positions`` rows; GroupQueryAttention's own ``do_rotary`` would save one more node a layer but
+    needs head_dim % 16 == 0 on CPU, which the tiny golden models lack: one code path for both; its q/k-norm
+    inputs would save three, but onnxruntime 1.32's CPU kernel refuses them). Attention is
     ``com.microsoft.GroupQueryAttention`` over the host's KV slots: stream ``b`` attends to its first
     ``seqlens_k[b] + 1`` rows (its past rows plus the T new ones: the host supplies ``past_len + T - 1``)
     and the call writes the new rows' K (after q/k-norm and RoPE) and V at ``past_len..`` of ``present_*``, which the host binds to the same memory as ``past_*`` (in place: no per-step
@@ -318,18 +326,18 @@ def build_backbone(ckpt: Checkpoint, cfg: TTSConfig, path: Path, weight_dtype, m
     with gb.scope("rotary"):
         cos, sin = (gb.tensor(f"rotary.{n}_cache", t) for n, t in zip(("cos", "sin"), s.rope_cache(gb.compute_dtype)))
 
-    delta = None
+    delta, qkv_shape = None, None
     for i in range(s.layers):
         layer = Layer(gb, ckpt, s, i)
         pk, pv, ok, ov = kv_names(i)
         gb.input(pk, gb.float_type, kv_shape)
         gb.input(pv, gb.float_type, kv_shape)
         h, x = layer.input_norm(gb, x, delta)
-        q, k, v = layer.rotated_heads(gb, h, positions, cos, sin)
+        qkv, qkv_shape = layer.rotated_qkv(gb, h, positions, cos, sin, qkv_shape)
         with gb.scope(f"{layer.name}.self_attn"):
             att = gb.op(
                 "GroupQueryAttention",
-                [q, k, v, pk, pv, seqlens, total],
+                [qkv, "", "", pk, pv, seqlens, total],
                 outs=[gb.fresh("attn"), ok, ov], domain="com.microsoft", num_heads=s.heads,
                 kv_num_heads=s.kv_heads, scale=1.0 / math.sqrt(s.head_dim))[0]
         h, x = layer.post_attention(gb, x, att)
@@ -458,8 +466,9 @@ def sampling_filter(gb: GraphBuilder, logits: str, history: str, penalty: str, t
 
 def draw(gb: GraphBuilder, f: SortedFilter, uniform: str, vocab: int) -> str:
     """Inverse-CDF draw of one id per row from the filtered distribution, in sorted order: f [B, 1, V], u
-    [B, 1, 1] in [0, 1) → the id [B, 1, 1] int64 at the first sorted position whose cumulative kept
-    probability, over the kept total, exceeds u.
+    [B, 1, 1] in [0, 1) → the id [B, 1] int64 at the first sorted position whose cumulative kept
+    probability, over the kept total, exceeds u (read with a batched GatherND, so the id comes out in the
+    shape the next position's embedding lookup and the codes output take: no squeeze per codebook).
 
     The kept probabilities are ``f.probs`` with top-p's drops zeroed (proportional to upstream's
     softmax over the kept logits). Zero-probability entries sort first and never raise the cumulative
@@ -474,7 +483,7 @@ def draw(gb: GraphBuilder, f: SortedFilter, uniform: str, vocab: int) -> str:
         # rest on CUDA's ArgMax returning the first of equal maxima, which cuDNN does not promise)
         below = gb.cast(gb.op("LessOrEqual", [gb.op("Div", [cdf, total]), uniform]), INT64)
         first = gb.op("ReduceSum", [below, gb.const([-1], np.int64)], keepdims=1)          # [B, 1, 1]
-        return gb.op("GatherElements", [f.order, first], axis=-1)
+        return gb.op("GatherND", [f.order, first], batch_dims=2)                            # [B, 1]
 
 
 def build_sampling_filter(path: Path, vocab: int = AUDIO_VOCAB, rvq: int = RVQ) -> GraphBuilder:
@@ -617,7 +626,7 @@ def build_depth(ckpt: Checkpoint, cfg: TTSConfig, path: Path, weight_dtype, matm
                 logits = gb.to_compute(gb.matmul(h, heads[p]), compute_dtype)              # [B, 1, V] float32
             all_logits.append(logits)
             with gb.computing(np.float32):
-                code = gb.squeeze(draw(gb, sorted_filter(gb, logits, pens[p], rows, V), draws[p], V), [2])  # [B, 1]
+                code = draw(gb, sorted_filter(gb, logits, pens[p], rows, V), draws[p], V)         # [B, 1]
             codes.append(code)
             if p + 1 < N:
                 x = gb.embedding(code, ckpt.get(f"{LOCAL}.embed_tokens.{p}.weight", dtype=None),
