@@ -27,7 +27,7 @@ from onnx import helper
 
 from .device import ELEMENT, DeviceTensor, LastRow
 from .errors import InputError
-from .sampling import SamplingParams
+from .sampling import MAX_REPETITION_WINDOW, SamplingParams
 
 MIN_HISTORY_WINDOW = 64     # depth history windows are bound in power-of-two sizes from here
 # runs of each call in a warm-up that captures: onnxruntime's CUDA provider captures a graph id after its
@@ -64,6 +64,12 @@ def window_for(window: int) -> int:
     while w < window:
         w *= 2
     return w
+
+
+def history_windows(longest: int = MAX_REPETITION_WINDOW) -> list[int]:
+    """Every bound history window a history of up to ``longest`` frames can take (64, 128, ... 4,096 for the
+    longest repetition window a request may set): the depth call shapes a warm-up makes."""
+    return [MIN_HISTORY_WINDOW << i for i in range((window_for(longest) // MIN_HISTORY_WINDOW).bit_length())]
 
 
 # ---------------------------------------------------------------------------------------------- graph ids
@@ -191,11 +197,12 @@ class BucketBuffers:
         self.seqlens.host[:] = lengths      # one row per slot: the last valid KV row after the call is `lengths`
 
     def stage_depth(self, rows: list[tuple[int, np.ndarray, SamplingParams, np.ndarray, bool]],
-                    history_pad: int) -> int:
+                    history_pad: int, window: int = 0) -> int:
         """Stage a depth call: per ``(slot, history, params, uniform, first_frame)``; the other rows get
         greedy settings, no penalty and an empty window (their codes are ignored). Returns the bound history
-        window to run with."""
-        window = window_for(max((h.shape[0] for _, h, _, _, _ in rows), default=0))
+        window to run with: the one the longest history needs, or ``window``'s if that is longer (how a
+        warm-up makes each window's call shape on padding rows)."""
+        window = window_for(max([window] + [h.shape[0] for _, h, _, _, _ in rows]))
         _, history = self.depth_binding(window)
         s = {name: buf.host for name, buf in self.sampler.items()}
         history.host[:] = history_pad

@@ -33,7 +33,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .buckets import CAPTURE_WARM_RUNS, BucketBuffers, BufferStats, PrefillBuffers, bucket_for, bucket_sizes
+from .buckets import (CAPTURE_WARM_RUNS, BucketBuffers, BufferStats, PrefillBuffers, bucket_for, bucket_sizes,
+                      history_windows)
 from .codec import MAX_FRAMES_PER_CALL
 from .errors import CapacityError, GraphError, InputError
 from .prefix import PrefixCache, prefix_key
@@ -194,8 +195,9 @@ class StepRunner:
     def warm_up(self) -> list[int]:
         """Make every call shape the loop will run before any stream attaches, so no live tick stalls on a
         first use (bindings, onnxruntime's first-run allocations, a CUDA graph's warm-up runs and capture):
-        each bucket's backbone step and depth call (the smallest history window) and, from then on, the
-        codec's calls at each bucket's stream count and each of ``codec_call_sizes``. Every row is padding,
+        each bucket's backbone step, its depth call at every bound history window (64 to 4,096 frames: a
+        request's ``repetition_window`` picks one, and a first use during serving would stall every stream's
+        tick on a capture) and, from then on, the codec's calls at each bucket's stream count and each of ``codec_call_sizes``. Every row is padding,
         as the loop runs free slots: step rows write their dummy row at a free slot's length (its lengths
         stay), depth codes are dropped, codec rows ride with 0 frames (rings and positions untouched).
         With capture each call runs ``CAPTURE_WARM_RUNS`` times. Must run on the thread that will run the
@@ -208,7 +210,9 @@ class StepRunner:
             for _ in range(runs):
                 bufs.stage_step({}, self.kv.lengths[:bucket], self._rider_row)
                 self.model.run_step(bufs)
-                self.model.run_bucket_depth(bufs, bufs.stage_depth([], self.model.history_pad))
+            for window in history_windows():
+                for _ in range(runs):
+                    self.model.run_bucket_depth(bufs, bufs.stage_depth([], self.model.history_pad, window))
         self.decoder.warm([(n, frames) for n in self.bucket_sizes for frames in self.codec_call_sizes])
         self.warmed = True
         return list(self.bucket_sizes)

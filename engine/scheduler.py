@@ -25,6 +25,7 @@ from typing import Protocol
 
 import numpy as np
 
+from .buckets import history_windows
 from .device import DeviceTensor
 from .errors import CapacityError, EngineBrokenError, EngineError, InputError, OverloadError, StreamClosedError
 from .limits import Limits
@@ -500,8 +501,10 @@ class Scheduler:
             self._break(f"warming the batch buckets failed: {type(exc).__name__}: {exc}")
             return
         self.warm_seconds = time.perf_counter() - t0
-        log.info("warmed batch buckets %s (backbone step, depth call, codec calls of %s frames)%s in %.2f s",
-                 ", ".join(map(str, buckets)), "/".join(map(str, self.runner.codec_call_sizes)),
+        windows = history_windows()
+        log.info("warmed batch buckets %s (backbone step, depth call at history windows %d-%d, codec calls of "
+                 "%s frames)%s in %.2f s", ", ".join(map(str, buckets)), windows[0], windows[-1],
+                 "/".join(map(str, self.runner.codec_call_sizes)),
                  ", captured" if self.runner.capture and self.model.cuda_graphs else "", self.warm_seconds)
 
     def _loop(self) -> None:

@@ -239,11 +239,16 @@ def test_cuda_graphs_flag_reaches_the_model_and_is_refused_off_cuda(full_bundle_
 
 
 # ---------------------------------------------------------------------------------------------- warm-up
-def _run_turns(runner, model, seeds: list[int], turns: int = 2) -> list[list[tuple[list, np.ndarray]]]:
-    """Streams through ``runner``'s ticks, ``turns`` turns each: per stream its frames' (codes, audio)."""
+def _run_turns(runner, model, seeds: list[int], turns: int = 2,
+               windows: dict[int, int] | None = None) -> list[list[tuple[list, np.ndarray]]]:
+    """Streams through ``runner``'s ticks, ``turns`` turns each: per stream its frames' (codes, audio);
+    ``windows``: a repetition window per seed (the default one otherwise)."""
+    from dataclasses import replace
+
     from engine.stream import StreamState
 
-    streams = [StreamState(model, params=model.default_sampling(), seed=s) for s in seeds]
+    params = lambda s: replace(model.default_sampling(), **({"repetition_window": windows[s]} if s in (windows or {}) else {}))
+    streams = [StreamState(model, params=params(s), seed=s) for s in seeds]
     for st in streams:
         runner.attach(st)
     out = [[] for _ in streams]
@@ -269,8 +274,10 @@ def _run_turns(runner, model, seeds: list[int], turns: int = 2) -> list[list[tup
 def test_warm_up_makes_every_call_shape_before_any_stream(model):
     """``StepRunner.warm_up`` binds and runs every bucket's step and depth call and each codec call shape on
     padding rows: the KV lengths and codec positions stay as they were, streams run afterwards allocate and
-    bind nothing new (backbone/depth buffers, codec call bindings and device buffers), and their codes and
-    audio equal those of a runner that was not warmed."""
+    bind nothing new (backbone/depth buffers at every history window, so a request's long repetition window
+    too; codec call bindings and device buffers), and their codes and audio equal those of a runner that was
+    not warmed."""
+    from engine.buckets import history_windows
     from engine.runner import SERVICE_CODEC_SCHEDULE, StepRunner
 
     warm = StepRunner(model, 8, 8192, codec_schedule=SERVICE_CODEC_SCHEDULE)
@@ -282,14 +289,16 @@ def test_warm_up_makes_every_call_shape_before_any_stream(model):
     made = (warm.buffer_stats.allocations, warm.buffer_stats.bindings, set(warm._buckets),
             set(warm.decoder._calls), warm.decoder.state.device_buffers())
     assert made[2] == {1, 2, 4, 8} and made[3] == {(n, f) for n in (1, 2, 4, 8) for f in (1, 2, 4, 6)}
+    assert all(set(b._depth) == set(history_windows()) == {64, 128, 256, 512, 1024, 2048, 4096}
+               for b in warm._buckets.values())
     assert warm.timing.step.calls == 0 and not warm.decoder.call_shapes     # warm-up calls are not measured
 
-    seeds = [11, 12, 13, 14, 15]
-    got = _run_turns(warm, model, seeds)
+    seeds, windows = [11, 12, 13, 14, 15], {12: 4096, 14: 300}             # windows of 4,096 and 512 frames
+    got = _run_turns(warm, model, seeds, windows=windows)
     assert warm.timing.step.calls > 0 and set(warm.decoder.call_shapes) <= made[3]
     assert (warm.buffer_stats.allocations, warm.buffer_stats.bindings, set(warm._buckets),
             set(warm.decoder._calls), warm.decoder.state.device_buffers()) == made
-    ref = _run_turns(StepRunner(model, 8, 8192, codec_schedule=SERVICE_CODEC_SCHEDULE), model, seeds)
+    ref = _run_turns(StepRunner(model, 8, 8192, codec_schedule=SERVICE_CODEC_SCHEDULE), model, seeds, windows=windows)
     assert [[c for c, _ in s] for s in got] == [[c for c, _ in s] for s in ref]
     from conftest import TEST_DEVICE
 
@@ -305,7 +314,7 @@ def test_a_warmed_scheduler_captures_nothing_after_start(full_bundle_dir):
     it serves: each bucket's backbone and depth graph id exists when ``wait_warm`` returns, and streams
     then register no new id and allocate or bind no buffer; the codes equal an unwarmed scheduler's."""
     from conftest import TEST_DEVICE
-    from engine.buckets import GraphKey
+    from engine.buckets import GraphKey, history_windows
     from engine.bundle import Bundle
     from engine.scheduler import Scheduler
     from engine.tts import TTSModel
@@ -330,7 +339,8 @@ def test_a_warmed_scheduler_captures_nothing_after_start(full_bundle_dir):
     try:
         assert sch.wait_warm(timeout=300) and sch.broken is None and sch.warm_seconds is not None
         keys = set(captured.graph_ids._ids)
-        assert keys == {GraphKey(g, b, 64 if g == "depth" else 0) for g in ("backbone", "depth") for b in (1, 2, 4)}
+        assert keys == ({GraphKey("backbone", b, 0) for b in (1, 2, 4)}
+                        | {GraphKey("depth", b, w) for b in (1, 2, 4) for w in history_windows()})
         stats = (sch.runner.buffer_stats.allocations, sch.runner.buffer_stats.bindings)
         got = frames(sch, 3)
         assert set(captured.graph_ids._ids) == keys
