@@ -226,6 +226,7 @@ class Layer:
         mat = lambda n: ckpt.get(f"{lp}.{n}.weight")
         self.ln1, self.ln2 = vec("input_layernorm.weight"), vec("post_attention_layernorm.weight")
         self.norms = [ckpt.get(f"{lp}.self_attn.{n}_norm.weight").astype(np.float32) for n in "qk"]
+        self._qk_norm_rows: str | None = None
         self.qkv_proj = gb.matmul_weight(np.concatenate([mat(f"self_attn.{n}_proj") for n in "qkv"]),
                                     f"{lp}.self_attn.qkv_proj")
         self.o = gb.matmul_weight(mat("self_attn.o_proj"), f"{lp}.self_attn.o_proj")
@@ -241,31 +242,36 @@ class Layer:
                 return gb.rms_norm_named(x, self.ln1, self.spec.rms_eps), x
             return gb.skip_rms_norm(x, delta, self.ln1, self.spec.rms_eps)
 
-    def rotated_qkv(self, gb: GraphBuilder, h: str, positions: str, cos: str, sin: str,
-                    qkv_shape: str | None) -> tuple[str, str]:
-        """Normed input [B, T, hidden] → the packed q/k/v [B, T, (H + 2 KV) * D] GroupQueryAttention takes as
-        its one query input: q and k after their per-head RMSNorm and RoPE at ``positions``, v as projected.
+    def qk_norm_rows(self, gb: GraphBuilder) -> str:
+        """[H + 2 KV, D]: each head's q/k RMSNorm weight, ones for the v heads (which :meth:`rotated_qkv`'s
+        select puts back as projected), added once per layer (the depth graph's positions share it)."""
+        s = self.spec
+        if self._qk_norm_rows is None:
+            self._qk_norm_rows = gb.tensor(f"{self.name}.self_attn.qk_norm", np.concatenate(
+                [np.tile(self.norms[0], (s.heads, 1)), np.tile(self.norms[1], (s.kv_heads, 1)),
+                 np.ones((s.kv_heads, s.head_dim), np.float32)]).astype(gb.compute_dtype))
+        return self._qk_norm_rows
 
-        Every head of the packed projection goes through one RMSNorm over head_dim (rows of [H + 2 KV, D]: each
-        head's own weight, through the norm's (1, heads, D) scale broadcast, which onnxruntime's CPU and CUDA
-        kernels take at axis 2 of a 3-D input) and one RotaryEmbedding (every head of a row shares its
-        position); a select then puts the v heads back as projected. Normalizing and rotating the v heads
-        costs KV/(H + 2 KV) more elementwise work and saves the two splits around the q/k path. Returns (packed,
-        ``qkv_shape``): the projection's [B, T, (H + 2 KV) * D], the same for every layer, read here from the
-        first layer's projection when ``qkv_shape`` is None (a Shape node reads metadata only: no copy)."""
+    def rotated_qkv(self, gb: GraphBuilder, h: str, positions: str, cos: str, sin: str) -> str:
+        """Normed input [B, T, hidden] → the packed q/k/v [B, T, (H + 2 KV) * D] GroupQueryAttention takes as
+        its one query input: q and k after their per-head RMSNorm and RoPE at ``positions`` (position_ids
+        [B, T], or one position [1] for every row), v as projected.
+
+        Every head of the packed projection goes through one ``com.microsoft.BranchwiseRMSNorm`` (an RMSNorm
+        over each head_dim group of the flat projection, with each head's own weight: :meth:`qk_norm_rows`)
+        and one RotaryEmbedding (every head of a row shares its position); a select then puts the v heads
+        back as projected. Normalizing and rotating the v heads costs KV / (H + 2 KV) more elementwise work
+        and saves the reshapes and splits around the q/k path."""
         s = self.spec
         heads = s.heads + 2 * s.kv_heads
         with gb.scope(f"{self.name}.self_attn"):
-            rows = gb.tensor(f"{self.name}.self_attn.qk_norm", np.concatenate(
-                [np.tile(self.norms[0], (s.heads, 1)), np.tile(self.norms[1], (s.kv_heads, 1)),
-                 np.ones((s.kv_heads, s.head_dim), np.float32)])[None].astype(gb.compute_dtype))
             qkv = gb.matmul(h, self.qkv_proj)
-            qkv_shape = qkv_shape or gb.op("Shape", [qkv])
-            normed = gb.rms_norm_named(gb.reshape(qkv, [-1, heads, s.head_dim]), rows, s.rms_eps)
-            rotated = gb.op("RotaryEmbedding", [gb.op("Reshape", [normed, qkv_shape]), positions, cos, sin],
-                            domain="com.microsoft", interleaved=0, num_heads=heads)
+            normed = gb.op("BranchwiseRMSNorm", [qkv, self.qk_norm_rows(gb)], domain="com.microsoft",
+                           num_branches=heads, epsilon=s.rms_eps)
+            rotated = gb.op("RotaryEmbedding", [normed, positions, cos, sin], domain="com.microsoft",
+                            interleaved=0, num_heads=heads)
             values = gb.const(np.arange(heads * s.head_dim) >= (s.heads + s.kv_heads) * s.head_dim, np.bool_)
-            return gb.op("Where", [values, qkv, rotated]), qkv_shape
+            return gb.op("Where", [values, qkv, rotated])
 
     def post_attention(self, gb: GraphBuilder, x: str, att: str) -> tuple[str, str]:
         """o_proj of the attention output [B, T, H*D], added to the stream inside the post-attention
@@ -326,14 +332,14 @@ def build_backbone(ckpt: Checkpoint, cfg: TTSConfig, path: Path, weight_dtype, m
     with gb.scope("rotary"):
         cos, sin = (gb.tensor(f"rotary.{n}_cache", t) for n, t in zip(("cos", "sin"), s.rope_cache(gb.compute_dtype)))
 
-    delta, qkv_shape = None, None
+    delta = None
     for i in range(s.layers):
         layer = Layer(gb, ckpt, s, i)
         pk, pv, ok, ov = kv_names(i)
         gb.input(pk, gb.float_type, kv_shape)
         gb.input(pv, gb.float_type, kv_shape)
         h, x = layer.input_norm(gb, x, delta)
-        qkv, qkv_shape = layer.rotated_qkv(gb, h, positions, cos, sin, qkv_shape)
+        qkv = layer.rotated_qkv(gb, h, positions, cos, sin)
         with gb.scope(f"{layer.name}.self_attn"):
             att = gb.op(
                 "GroupQueryAttention",
@@ -506,61 +512,23 @@ def _sampling_inputs(gb: GraphBuilder) -> tuple[str, str, str, str]:
 # ---------------------------------------------------------------------------------------------- depth
 class DepthLayer(Layer):
     """A local-transformer layer at one position of the unrolled frame: :class:`Layer`'s packed projections,
-    norms and MLP, with q/k RMSNorm as one SimplifiedLayerNormalization over every head of the packed
-    projection (unit scale; each head's own weight is folded into its RoPE matrix; v heads pass through)
-    and GroupQueryAttention over this frame's earlier positions."""
-
-    def __init__(self, gb: GraphBuilder, ckpt: Checkpoint, spec: StackSpec, index: int):
-        super().__init__(gb, ckpt, spec, index)
-        self.unit = gb.weight(f"{self.name}.self_attn.qk_norm.unit", np.ones(spec.head_dim, np.float32))
-        self.norms = [ckpt.get(f"{self.name}.self_attn.{n}_norm.weight").astype(np.float32) for n in "qk"]
-
-    def head_groups(self) -> int:
-        """The packed q/k/v heads in groups of ``kv_heads``: H / KV groups of q heads, one of k, one of v."""
-        return self.spec.heads // self.spec.kv_heads + 2
-
-    def rope_weight(self, gb: GraphBuilder, position: int) -> str:
-        """[G, D, D] per head group (:meth:`head_groups`): ``diag(norm) @ rope_matrix(position)`` with the
-        group's q/k norm weight (the v group's identity is never read), so ``normed @ M`` is the q/k
-        RMSNorm's scale and RoPE in one MatMul."""
-        s, groups = self.spec, self.head_groups()
-        m = rope_matrix(s, position)
-        mats = [self.norms[0][:, None] * m] * (groups - 2) + [self.norms[1][:, None] * m, np.eye(s.head_dim)]
-        return gb.tensor(f"{self.name}.self_attn.rotary.{position}",
-                         np.stack(mats).astype(gb.compute_dtype))
+    q/k path (:meth:`Layer.rotated_qkv` at the position, a constant) and MLP, with GroupQueryAttention over
+    this frame's earlier positions."""
 
     def attend(self, gb: GraphBuilder, h: str, past: tuple[str, str] | None, seqlens: str, total: int,
-               values: str) -> tuple[str, tuple[str, str]]:
+               rotary: tuple[str, str]) -> tuple[str, tuple[str, str]]:
         """Normed input h [B, 1, hidden] at position ``total - 1`` → (attention output [B, 1, H*D] for
-        :meth:`post_attention`, the (key, value) cache [B, KV, total, D] for the next position). The q/k
-        norm weights and this position's rotate-half RoPE are one batched MatMul (:meth:`rope_weight`:
-        cos on the diagonal, ±sin at the partner dimension, rows scaled by the norm weight: one node
-        instead of mul/split/negate/concat/mul/mul/add); ``values`` [G, 1, 1] marks the v group, which
-        takes neither norm nor rotation."""
+        :meth:`post_attention`, the (key, value) cache [B, KV, total, D] for the next position); ``rotary``:
+        the local stack's (cos, sin) tables of the frame's positions."""
         s = self.spec
+        qkv = self.rotated_qkv(gb, h, gb.const([total - 1], np.int64), *rotary)   # one position for every row
         with gb.scope(f"{self.name}.self_attn"):
-            qkv = gb.reshape(gb.matmul(h, self.qkv_proj), [0, self.head_groups(), s.kv_heads, s.head_dim])
-            normed = gb.rms_norm_named(qkv, self.unit, s.rms_eps)                            # [B, G, KV, D]
-            qkv = gb.op("Where", [values, qkv, gb.op("MatMul", [normed, self.rope_weight(gb, total - 1)])])
             present = (gb.fresh("present_key"), gb.fresh("present_value"))
-            inputs = [gb.reshape(qkv, [0, 1, -1]), "", ""] + (list(past) if past else ["", ""])
+            inputs = [qkv, "", ""] + (list(past) if past else ["", ""])
             att = gb.op("GroupQueryAttention", inputs + [seqlens, gb.const(total, np.int32)],
                         outs=[gb.fresh("attn"), *present], domain="com.microsoft", num_heads=s.heads,
                         kv_num_heads=s.kv_heads, scale=1.0 / math.sqrt(s.head_dim))[0]
             return att, present
-
-
-def rope_matrix(spec: StackSpec, position: int) -> np.ndarray:
-    """Rotate-half RoPE at ``position`` as a [D, D] matrix M with ``x @ M = x * cos + rotate_half(x) * sin``
-    (cos/sin of ``position * inv_freq`` in float32, as upstream)."""
-    half = spec.head_dim // 2
-    ang = np.float32(position) * spec.inv_freq()
-    cos, sin = np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
-    m = np.zeros((spec.head_dim, spec.head_dim), np.float32)
-    i = np.arange(half)
-    m[i, i], m[i + half, i + half] = cos, cos
-    m[i + half, i], m[i, i + half] = -sin, sin      # out[i] = x[i] cos - x[i+h] sin; out[i+h] = x[i+h] cos + x[i] sin
-    return m
 
 
 def build_depth(ckpt: Checkpoint, cfg: TTSConfig, path: Path, weight_dtype, matmul_bits: int = 8,
@@ -603,8 +571,9 @@ def build_depth(ckpt: Checkpoint, cfg: TTSConfig, path: Path, weight_dtype, matm
         # all 16 at once: [N, B] = p + 0, flattened and split into N pieces of B
         seqlens = gb.op("Split", [gb.reshape(gb.op("Add", [gb.const(np.arange(N)[:, None], np.int32), no_rows]), [-1])],
                         n_out=N, axis=0, num_outputs=N)
-        groups = s.heads // s.kv_heads + 2
-        values = gb.const((np.arange(groups) == groups - 1)[:, None, None], np.bool_)   # the v group
+        # RotaryEmbedding's tables for the frame's N positions (angles in float32, as upstream)
+        rotary = tuple(gb.tensor(f"local_rotary.{n}_cache", t[:N]) for n, t in zip(("cos", "sin"),
+                                                                                  s.rope_cache(gb.compute_dtype)))
 
     layers = [DepthLayer(gb, ckpt, s, i) for i in range(s.layers)]
     final_norm = gb.weight(f"{LOCAL}.norm.weight", ckpt.get(f"{LOCAL}.norm.weight"))
@@ -617,7 +586,7 @@ def build_depth(ckpt: Checkpoint, cfg: TTSConfig, path: Path, weight_dtype, matm
             delta = None
             for li, layer in enumerate(layers):
                 h, x = layer.input_norm(gb, x, delta)
-                att, caches[li] = layer.attend(gb, h, caches[li], seqlens[p], p + 1, values)
+                att, caches[li] = layer.attend(gb, h, caches[li], seqlens[p], p + 1, rotary)
                 h, x = layer.post_attention(gb, x, att)
                 delta = layer.mlp(gb, h)
             with gb.scope(f"{LOCAL}.norm"):
