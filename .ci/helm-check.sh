@@ -139,6 +139,7 @@ expect_refused "export + bundleImage together" --set export.enabled=true --set b
 expect_refused "an unknown autoscaling.kind" --set autoscaling.enabled=true --set autoscaling.kind=vpa
 expect_refused "an HTTPRoute without parentRefs" --set httpRoute.enabled=true
 expect_refused "a string for gpu.enabled (values.schema.json)" --set-string gpu.enabled=yes
+expect_refused "a boolean for server.cudaGraphs (values.schema.json)" --set server.cudaGraphs=true
 
 # ---------------------------------------------------------------- render checks
 log "render checks ($PYTHON)"

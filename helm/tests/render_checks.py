@@ -168,6 +168,10 @@ def check_manifests(c: Checker, docs: list[dict], v: dict, chart: dict) -> list[
         c.eq(env_value(main, "MOSSRT_MAX_STREAMS"), str(v["server"]["maxStreams"]), "env MOSSRT_MAX_STREAMS")
     if v["server"].get("threads"):
         c.eq(env_value(main, "MOSSRT_THREADS"), str(v["server"]["threads"]), "env MOSSRT_THREADS")
+    for key, name in (("cudaGraphs", "MOSSRT_CUDA_GRAPHS"), ("warmBuckets", "MOSSRT_WARM_BUCKETS")):
+        # unset: absent, so the server's own default (decided by the bundle's placement) applies
+        want = v["server"].get(key) or None
+        c.eq(env_value(main, name), want, f"env {name}")
     for e in env.values():
         c.ok(e["name"] != "MOSSRT_EXPORT_MODEL", "the server container must not export at start (init container does)")
 
