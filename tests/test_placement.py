@@ -247,25 +247,25 @@ def test_device_choice_never_falls_back_silently(tts_bundle_dir):
 
 
 # ---------------------------------------------------------------------------------------------- CLI and serve
-def test_verify_lists_unplaced_nodes_with_status_2(capsys, full_bundle_dir):
-    code, out, err = run_cli(capsys, "verify", "--bundle", full_bundle_dir, "--provider", "cuda")
+def test_verify_lists_unplaced_nodes_with_status_2(capsys, fp32_bundle_dir):
+    code, out, err = run_cli(capsys, "verify", "--bundle", fp32_bundle_dir, "--provider", "cuda")
     assert_clean_error(code, err, "node(s) cannot run on the cuda provider")
     assert "every sha256 matches" in out and "GroupQueryAttention" in out and HOST_COPY not in out
     assert "backbone: language_model.layers.0.self_attn/GroupQueryAttention" in out
-    code, out, err = run_cli(capsys, "verify", "--bundle", full_bundle_dir, "--provider", "cpu")
+    code, out, err = run_cli(capsys, "verify", "--bundle", fp32_bundle_dir, "--provider", "cpu")
     assert code == 0 and "cpu: 0 nodes without a kernel" in out, err
 
 
-def test_forced_cuda_is_refused_at_load(capsys, tmp_path, full_bundle_dir):
+def test_forced_cuda_is_refused_at_load(capsys, tmp_path, fp32_bundle_dir):
     """Honest on a CPU-only machine: the placement check refuses the fp32 bundle before onnxruntime is asked."""
-    code, _, err = run_cli(capsys, "synth", "--bundle", full_bundle_dir, "--text", "hi", "--out", tmp_path / "o.wav",
+    code, _, err = run_cli(capsys, "synth", "--bundle", fp32_bundle_dir, "--text", "hi", "--out", tmp_path / "o.wav",
                            "--device", "cuda")
     assert_clean_error(code, err, "export with --compute-dtype bf16 (or fp16) for CUDA")
     assert "GroupQueryAttention" in err and not (tmp_path / "o.wav").exists()
 
 
-def test_serve_reports_the_refusal_on_ready(tmp_path, full_bundle_dir):
-    server = Server(full_bundle_dir, tmp_path / "voices", tmp_path / "serve.log", "--device", "cuda")
+def test_serve_reports_the_refusal_on_ready(tmp_path, fp32_bundle_dir):
+    server = Server(fp32_bundle_dir, tmp_path / "voices", tmp_path / "serve.log", "--device", "cuda")
     try:
         deadline, body = time.monotonic() + 120, None
         while time.monotonic() < deadline and server.proc.poll() is None:

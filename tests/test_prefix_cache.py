@@ -169,14 +169,14 @@ def test_text_only_turns_copy_the_header_too_and_user_turns_the_system_block(mod
         scheduler.stop()
 
 
-def test_fp16_kv_slots_and_prefixes(model, fp16_model):
+def test_fp16_kv_slots_and_prefixes(fp32_model, fp16_model):
     """An fp16-compute bundle keeps its KV slots and cached prefixes in float16: half the bytes per row of
     fp32, and a warmed prefix is still bitwise the rows a prefill writes."""
     from engine.scheduler import Scheduler
     from engine.session import StreamingSession
 
-    assert model.kv_dtype == np.float32 and fp16_model.kv_dtype == np.float16
-    assert 2 * fp16_model.kv_bytes_per_slot(4096) == model.kv_bytes_per_slot(4096)
+    assert fp32_model.kv_dtype == np.float32 and fp16_model.kv_dtype == np.float16
+    assert 2 * fp16_model.kv_bytes_per_slot(4096) == fp32_model.kv_bytes_per_slot(4096)
     pool = fp16_model.kv_pool(2, 64)
     assert pool.nbytes_per_slot == fp16_model.kv_bytes_per_slot(64)
     voice = golden("tts/tts_multiturn.npz")["voice_prompt_codes"].T

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import pytest
 
-from conftest import golden, tolerance
+from conftest import exact_codes, golden, tolerance
 
 TEXT_A = ("Welcome to the world of MOSS TTS Realtime. Experience how text transforms into smooth, "
           "human-like speech in real time, one small step after another.")
@@ -132,6 +132,7 @@ def specs(model) -> list[Spec]:
     ]
 
 
+@exact_codes
 def test_concurrent_streams_equal_solo_runs(model):
     """8 streams (texts, voices, lengths, start times, greedy and sampled, multi-turn, a cancel, a stall)
     share the scheduler's calls; each gets exactly the codes (and, within float32 round-off, the audio)
@@ -180,6 +181,7 @@ def test_concurrent_streams_equal_solo_runs(model):
     assert batched_steps < sum(len(r[0]) for s in all_specs for r in s.results) * 0.6   # steps were shared
 
 
+@exact_codes
 def test_no_capacity_then_a_freed_slot(model):
     from engine.errors import CapacityError
     from engine.scheduler import Scheduler
@@ -249,6 +251,7 @@ def test_handle_calls_validate(model):
         scheduler.stop()
 
 
+@exact_codes
 def test_slow_consumer_pauses_its_stream(model):
     """A consumer that does not read holds its own stream (bounded buffering) and not the others."""
     from engine.scheduler import Scheduler

@@ -97,6 +97,7 @@ def test_random_splits_give_the_same_ids_and_frames(model, seed):
     np.testing.assert_array_equal(codes_of(frames[:-1]), g["nonstream_whole_codes"])
 
 
+@exact_codes
 def test_multiturn_reuses_the_kv_cache(model):
     g = golden("tts/tts_multiturn.npz")
     s = new_session(model, voice=g["voice_prompt_codes"].T)
@@ -368,6 +369,7 @@ def test_open_close_cycles_free_memory(model):
 
 
 # ---------------------------------------------------------------------------------------------- replay CLI
+@exact_codes
 def test_replay_cli_multiturn(tmp_path, full_bundle_dir):
     g = golden("tts/tts_multiturn.npz")
     np.save(tmp_path / "voice.npy", g["voice_prompt_codes"].T)

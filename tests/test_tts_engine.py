@@ -90,6 +90,7 @@ def test_unplayable_frames_are_dropped_from_the_audio(model):
     assert audio.shape == (5 * 1920,) and np.abs(audio - ref).max() <= tolerance(ref)
 
 
+@exact_codes
 def test_max_frames_limit(model):
     """A frame limit that cannot feed the whole text is refused before any work; the smallest one that
     can (every id fed, one frame after it) runs and ends by the limit, not silently."""
