@@ -216,7 +216,8 @@ class Layer:
     goes through the norm and the rotation whole and a select puts the v heads back as projected, before it
     is handed to the attention op packed. Residual adds are fused into the following norm
     (``SkipSimplifiedLayerNormalization``). The q/k norm weights (``norms``) are
-    kept as arrays: each graph lays them out for its own fused q/k path.
+    laid out once per layer as BranchwiseRMSNorm's per-head scale (:meth:`qk_norm_rows`), which the backbone
+    and every depth position share.
     """
 
     def __init__(self, gb: GraphBuilder, ckpt: Checkpoint, spec: StackSpec, index: int):
