@@ -215,9 +215,8 @@ class Layer:
     split after its matmul). Qwen3's q/k RMSNorm sits between the projection and RoPE, so the packed q/k/v
     goes through the norm and the rotation whole and a select puts the v heads back as projected, before it
     is handed to the attention op packed. Residual adds are fused into the following norm
-    (``SkipSimplifiedLayerNormalization``). The q/k norm weights (``norms``) are
-    laid out once per layer as BranchwiseRMSNorm's per-head scale (:meth:`qk_norm_rows`), which the backbone
-    and every depth position share.
+    (``SkipSimplifiedLayerNormalization``). The q/k norm weights are laid out once per layer as
+    BranchwiseRMSNorm's per-head scale (``qk_norm``), which the backbone and every depth position share.
     """
 
     def __init__(self, gb: GraphBuilder, ckpt: Checkpoint, spec: StackSpec, index: int):
@@ -226,8 +225,12 @@ class Layer:
         vec = lambda n: gb.weight(f"{lp}.{n}", ckpt.get(f"{lp}.{n}"))
         mat = lambda n: ckpt.get(f"{lp}.{n}.weight")
         self.ln1, self.ln2 = vec("input_layernorm.weight"), vec("post_attention_layernorm.weight")
-        self.norms = [ckpt.get(f"{lp}.self_attn.{n}_norm.weight").astype(np.float32) for n in "qk"]
-        self._qk_norm_rows: str | None = None
+        # [H + 2 KV, D]: BranchwiseRMSNorm's per-head scale for the packed q/k/v (:meth:`rotated_qkv`): each q and
+        # k head's norm weight, ones for the v heads (which its select puts back as projected)
+        q_norm, k_norm = (ckpt.get(f"{lp}.self_attn.{n}_norm.weight").astype(np.float32) for n in "qk")
+        self.qk_norm = gb.tensor(f"{lp}.self_attn.qk_norm", np.concatenate(
+            [np.tile(q_norm, (spec.heads, 1)), np.tile(k_norm, (spec.kv_heads, 1)),
+             np.ones((spec.kv_heads, spec.head_dim), np.float32)]).astype(gb.compute_dtype))
         self.qkv_proj = gb.matmul_weight(np.concatenate([mat(f"self_attn.{n}_proj") for n in "qkv"]),
                                     f"{lp}.self_attn.qkv_proj")
         self.o = gb.matmul_weight(mat("self_attn.o_proj"), f"{lp}.self_attn.o_proj")
@@ -243,23 +246,13 @@ class Layer:
                 return gb.rms_norm_named(x, self.ln1, self.spec.rms_eps), x
             return gb.skip_rms_norm(x, delta, self.ln1, self.spec.rms_eps)
 
-    def qk_norm_rows(self, gb: GraphBuilder) -> str:
-        """[H + 2 KV, D]: each head's q/k RMSNorm weight, ones for the v heads (which :meth:`rotated_qkv`'s
-        select puts back as projected), added once per layer (the depth graph's positions share it)."""
-        s = self.spec
-        if self._qk_norm_rows is None:
-            self._qk_norm_rows = gb.tensor(f"{self.name}.self_attn.qk_norm", np.concatenate(
-                [np.tile(self.norms[0], (s.heads, 1)), np.tile(self.norms[1], (s.kv_heads, 1)),
-                 np.ones((s.kv_heads, s.head_dim), np.float32)]).astype(gb.compute_dtype))
-        return self._qk_norm_rows
-
     def rotated_qkv(self, gb: GraphBuilder, h: str, positions: str, cos: str, sin: str) -> str:
         """Normed input [B, T, hidden] → the packed q/k/v [B, T, (H + 2 KV) * D] GroupQueryAttention takes as
         its one query input: q and k after their per-head RMSNorm and RoPE at ``positions`` (position_ids
         [B, T], or one position [1] for every row), v as projected.
 
         Every head of the packed projection goes through one ``com.microsoft.BranchwiseRMSNorm`` (an RMSNorm
-        over each head_dim group of the flat projection, with each head's own weight: :meth:`qk_norm_rows`)
+        over each head_dim group of the flat projection, with each head's own weight: ``qk_norm``)
         and one RotaryEmbedding (every head of a row shares its position); a select then puts the v heads
         back as projected. Normalizing and rotating the v heads costs KV / (H + 2 KV) more elementwise work
         and saves the reshapes and splits around the q/k path."""
@@ -267,7 +260,7 @@ class Layer:
         heads = s.heads + 2 * s.kv_heads
         with gb.scope(f"{self.name}.self_attn"):
             qkv = gb.matmul(h, self.qkv_proj)
-            normed = gb.op("BranchwiseRMSNorm", [qkv, self.qk_norm_rows(gb)], domain="com.microsoft",
+            normed = gb.op("BranchwiseRMSNorm", [qkv, self.qk_norm], domain="com.microsoft",
                            num_branches=heads, epsilon=s.rms_eps)
             rotated = gb.op("RotaryEmbedding", [normed, positions, cos, sin], domain="com.microsoft",
                             interleaved=0, num_heads=heads)
