@@ -144,23 +144,32 @@ class Bundle:
                     raise BundleError(f"{self.dir}: the bundle has no graph {name!r}")
                 if not self.providers:
                     raise BundleError(self.refusal or f"{self.dir}: opened without a device; no graph can run")
-                opts = ort.SessionOptions()
-                opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-                if self.threads:
-                    opts.intra_op_num_threads = self.threads
-                opts.log_severity_level = 3
-                if self.profile_dir is not None:
-                    opts.enable_profiling = True
-                    opts.profile_file_prefix = str(self.profile_dir / name)
                 path = self.dir / self.info.graphs[name].file
-                providers = [(p, {"enable_cuda_graph": "1"}) if cuda_graph and p == "CUDAExecutionProvider" else p
-                             for p in self.providers]
                 try:
-                    self._sessions[key] = ort.InferenceSession(str(path), opts, providers=providers)
+                    self._sessions[key] = ort.InferenceSession(str(path), self.session_options(name),
+                                                               providers=self.session_providers(cuda_graph))
                 except Exception as e:  # onnxruntime raises its own (Fail, InvalidGraph, ...) and RuntimeError
                     raise BundleError(f"{path}: the graph does not load ({type(e).__name__}: "
                                       f"{str(e).splitlines()[0][:300]}); run 'mossrt verify' or re-export") from None
             return self._sessions[key]
+
+    def session_options(self, name: str) -> ort.SessionOptions:
+        """The options every session of graph ``name`` is made with (``mossrt doctor`` makes its own
+        sessions with them, verbose, to read onnxruntime's node placement)."""
+        opts = ort.SessionOptions()
+        opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        if self.threads:
+            opts.intra_op_num_threads = self.threads
+        opts.log_severity_level = 3
+        if self.profile_dir is not None:
+            opts.enable_profiling = True
+            opts.profile_file_prefix = str(self.profile_dir / name)
+        return opts
+
+    def session_providers(self, cuda_graph: bool = False) -> list:
+        """The provider list of a session (with the CUDA provider's ``enable_cuda_graph`` when asked)."""
+        return [(p, {"enable_cuda_graph": "1"}) if cuda_graph and p == "CUDAExecutionProvider" else p
+                for p in self.providers]
 
     def end_profiling(self) -> list[Path]:
         """With ``profile_dir``: write each session's onnxruntime profile (JSON); returns the files."""

@@ -113,20 +113,68 @@ def signature(key: str, opset: int) -> Signature | None:
 
 
 # ---------------------------------------------------------------------------------------------- from onnxruntime
-def installed_cpu_kernels(keys) -> dict[str, list[dict]]:
-    """The installed onnxruntime's registered CPU kernels of ``keys``, in the table's JSON form."""
+def installed_kernels(keys, ep: str = "CPUExecutionProvider") -> dict[str, list[dict]]:
+    """The installed onnxruntime's registered kernels of ``ep`` for ``keys``, in the table's JSON form (on a
+    GPU build, listing the CUDA provider's kernels needs a CUDA device: the registry is read from it)."""
     from onnxruntime.capi import onnxruntime_pybind11_state as ort_c
 
     out: dict[str, list[dict]] = {k: [] for k in keys}
     for k in ort_c.get_all_opkernel_def():
         key = op_key(k.op_name, k.domain)
-        if k.provider == "CPUExecutionProvider" and key in out:
+        if k.provider == ep and key in out:
             since, until = k.version_range
             out[key].append({"since": since, "until": until,
                              "types": {c: sorted(element_type(t) for t in ts)
                                        for c, ts in sorted(k.type_constraints.items())}})
     for entries in out.values():
         entries.sort(key=lambda e: (e["since"], json.dumps(e["types"], sort_keys=True)))
+    return out
+
+
+def installed_cpu_kernels(keys) -> dict[str, list[dict]]:
+    """The installed onnxruntime's registered CPU kernels of ``keys``, in the table's JSON form."""
+    return installed_kernels(keys, "CPUExecutionProvider")
+
+
+def registry_table(provider: str, rows: dict[str, list[dict]] | None = None) -> KernelTable:
+    """The committed table of ``provider`` with its kernels replaced by the installed onnxruntime's own
+    registry (``rows``: :func:`installed_kernels` output, read now when None); the host inputs stay the
+    committed ones (the registry does not expose them)."""
+    committed = kernel_table(provider)
+    rows = installed_kernels(list(committed.ops), committed.ep) if rows is None else rows
+    import onnxruntime
+
+    ops = {key: OpKernels(tuple(Kernel(k["since"], k["until"], {c: frozenset(t) for c, t in k["types"].items()})
+                                for k in rows.get(key, [])), entry.host_inputs)
+           for key, entry in committed.ops.items()}
+    return KernelTable(provider, committed.ep, committed.package, onnxruntime.__version__,
+                       "the installed onnxruntime's kernel registry", committed.device, ops, committed.float16_via_float)
+
+
+def coverage(table: KernelTable, key: str, opset: int) -> dict[str, frozenset[str]]:
+    """Per type constraint, the element types some kernel of ``key`` covering ``opset`` takes."""
+    out: dict[str, set[str]] = {}
+    entry = table.ops.get(key)
+    for k in (entry.kernels if entry else ()):
+        if k.covers(opset):
+            for c, types in k.types.items():
+                out.setdefault(c, set()).update(types)
+    return {c: frozenset(t) for c, t in out.items()}
+
+
+def coverage_diff(committed: KernelTable, registry: KernelTable, opsets: dict[str, int]) -> dict[str, dict]:
+    """Where the committed table and the registry disagree at the opsets a bundle uses (``{"ai.onnx": 18,
+    "com.microsoft": 1}``): per op, the types only the table claims (the placement check would accept a node
+    onnxruntime cannot place there) and the types only the registry has (it would refuse a node that runs)."""
+    out = {}
+    for key in sorted(committed.ops):
+        opset = opsets.get(key.split("@", 1)[1], 1)
+        ours, theirs = coverage(committed, key, opset), coverage(registry, key, opset)
+        table_only = {c: sorted(t - theirs.get(c, frozenset())) for c, t in ours.items() if t - theirs.get(c, frozenset())}
+        registry_only = {c: sorted(t - ours.get(c, frozenset())) for c, t in theirs.items() if t - ours.get(c, frozenset())}
+        if table_only or registry_only or (ours and not theirs):
+            out[key] = {"opset": opset, "table_only": table_only, "registry_only": registry_only,
+                        "in_registry": bool(theirs)}
     return out
 
 

@@ -143,11 +143,12 @@ class _Walk:
         return node
 
 
-def unplaced(model, provider: str, graph: str = "") -> list[Finding]:
+def unplaced(model, provider: str, graph: str = "", table: KernelTable | None = None) -> list[Finding]:
     """Every node of ``model`` (a path or ModelProto) that ``provider`` ("cpu" or "cuda") cannot run as
-    exported: no kernel for its op, opset or input types, or (device providers) a device→host copy."""
+    exported: no kernel for its op, opset or input types, or (device providers) a device→host copy.
+    ``table``: another kernel table of the provider than the committed one (the installed registry's)."""
     m = _load(model)
-    table = kernel_table(provider)
+    table = table or kernel_table(provider)
     opsets = {(o.domain or "ai.onnx"): o.version for o in m.opset_import}
     walk = _Walk(m.graph)
     findings: list[Finding] = []
@@ -205,9 +206,9 @@ def _kernel_mismatch(table: KernelTable, entry: OpKernels, sig: Signature | None
     return f"{table.ep} ({table.package} {table.version}) has no kernel for {wanted}; it offers {offered}"
 
 
-def bundle_unplaced(graphs: dict[str, Path], provider: str) -> list[Finding]:
+def bundle_unplaced(graphs: dict[str, Path], provider: str, table: KernelTable | None = None) -> list[Finding]:
     """:func:`unplaced` over every graph of a bundle (``{graph name: onnx file}``)."""
-    return [f for name, path in sorted(graphs.items()) for f in unplaced(path, provider, graph=name)]
+    return [f for name, path in sorted(graphs.items()) for f in unplaced(path, provider, graph=name, table=table)]
 
 
 # ---------------------------------------------------------------------------------------------- load decision

@@ -15,6 +15,7 @@ from . import commands as c
 from engine.sampling import MAX_TOP_K
 
 from .argtypes import any_int, finite_float, int_in
+from .doctor import CHECKS as DOCTOR_CHECKS
 
 EX_SOFTWARE = 70
 
@@ -177,6 +178,22 @@ def build_parser() -> argparse.ArgumentParser:
     runtime_flags(rp)
     rp.set_defaults(func=c.cmd_replay)
 
+    dr = sub.add_parser("doctor", help="does this machine's onnxruntime run mossrt's graphs as the engine assumes? "
+                                       "(provider, kernel registry, placement, CUDA graphs, kernel semantics)")
+    dr.add_argument("--device", choices=["cpu", "cuda"], default=None,
+                    help="provider to check (default: cuda when onnxruntime offers it, else cpu)")
+    dr.add_argument("--bundle", help="bundle for the placement and CUDA-graph checks (default: a tiny random one, "
+                                     "exported to a temporary directory)")
+    dr.add_argument("--compute-dtype", choices=["fp32", "fp16", "bf16"],
+                    help="the tiny bundle's compute dtype (default: bf16 on CUDA, fp32 on CPU)")
+    dr.add_argument("--checks", default=",".join(DOCTOR_CHECKS),
+                    help=f"comma list, run in this order (default: {','.join(DOCTOR_CHECKS)})")
+    dr.add_argument("--registry-out", help="write the installed onnxruntime's kernels of the table's ops here, in "
+                                           "the committed kernel table's format")
+    dr.add_argument("--json", help="write every check's result and figures here")
+    dr.add_argument("--threads", type=int_in(0, 256), default=None, help="intra-op threads (default: all cores)")
+    dr.set_defaults(func=c.cmd_doctor)
+
     m = sub.add_parser("make-checkpoint", help="random-weight checkpoint in the upstream layout (benchmarks only)")
     m.add_argument("kind", choices=["codec", "tts", "pair"], help="pair writes OUT/tts and OUT/codec")
     m.add_argument("--preset", required=True, choices=["real", "tiny"],
@@ -203,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     from export.checkpoint import CheckpointError
 
     try:
-        args.func(args)
+        status = args.func(args)
     except (c.CliError, EngineError, CheckpointError) as e:
         print(f"mossrt: error: {e}", file=sys.stderr)
         return 2
@@ -218,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"mossrt: internal error: {type(e).__name__}: {e} (MOSSRT_DEBUG=1 shows the traceback; "
               "please report it)", file=sys.stderr)
         return EX_SOFTWARE
-    return 0
+    return status or 0
 
 
 if __name__ == "__main__":

@@ -338,6 +338,42 @@ def cmd_bench_compare(args) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- checkpoints, demo
+def cmd_doctor(args) -> int:
+    """``mossrt doctor``: exit 0 when every check passed (or was skipped), 1 when one failed."""
+    from mossrt.doctor import CHECKS, run_checks
+
+    checks = [x.strip() for x in args.checks.split(",") if x.strip()]
+    unknown = [x for x in checks if x not in CHECKS]
+    if unknown or not checks:
+        raise CliError(f"--checks: unknown check(s) {unknown or '(none given)'}; choose from {', '.join(CHECKS)}")
+    device = args.device
+    if device is None:
+        import onnxruntime as ort
+
+        device = "cuda" if "CUDAExecutionProvider" in ort.get_available_providers() else "cpu"
+    if args.bundle and not (Path(args.bundle) / "manifest.json").is_file():
+        raise CliError(f"--bundle {args.bundle}: not a bundle (no manifest.json)")
+    if args.json:
+        from engine.audio_io import check_writable_file
+
+        check_writable_file(Path(args.json), "--json")
+
+    def show(r) -> None:
+        line = f"{r.name:<10} {r.status:<7} {r.seconds:6.1f} s"
+        print(line + (f"  {r.reason}" if r.reason else ""), flush=True)
+
+    print(f"mossrt doctor: device {device}, checks {', '.join(checks)}", flush=True)
+    results = run_checks(device, checks, Path(args.bundle) if args.bundle else None, args.compute_dtype,
+                         args.registry_out, args.threads, progress=progress, on_result=show)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"device": device, "checks": [r.as_dict() for r in results]},
+                                              indent=1) + "\n")
+    failed = [r.name for r in results if r.status == "failed"]
+    print(f"mossrt doctor: {len(results) - len(failed)} of {len(results)} checks passed or skipped"
+          + (f"; failed: {', '.join(failed)}" if failed else ""))
+    return 1 if failed else 0
+
+
 def cmd_make_checkpoint(args) -> None:
     from export import random_checkpoint
     from export.demo import TOKENIZER_JSON
