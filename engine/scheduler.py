@@ -1,249 +1,38 @@
 """Many streams, one device loop: the scheduler batches every stream's next step into shared graph calls.
 
-A :class:`Scheduler` owns a :class:`StepRunner` (the onnxruntime sessions' KV slot pool and codec
-rings) and runs its ticks on one thread. Callers hold :class:`StreamHandle` objects: they feed text and
-control turns from any thread (the calls validate and return at once; they never run a graph), and
-receive events — frames with their audio, turn ends, errors — through a sink: a thread-safe queue, or
-an asyncio queue fed with ``call_soon_threadsafe`` so an asyncio server never blocks on the engine.
-
-Admission: a stream takes a KV slot at its first turn and keeps it until closed. When every slot is
-taken, ``begin_turn`` waits up to ``queue_timeout`` seconds for one, then raises :class:`CapacityError`
-(the service answers 429); ``abegin_turn`` is the same wait for asyncio callers, holding no thread, in the
-same first-come-first-served queue. Cancel and close take effect at the next step boundary. A consumer that
-stops reading holds its stream (generation pauses) instead of buffering audio without bound.
+A :class:`Scheduler` owns a :class:`StepRunner` (the onnxruntime sessions' KV slot pool and codec rings)
+and runs its ticks on one thread: it attaches the streams admission let in, detaches the closed ones, runs a
+tick and hands each stream's events to its sink. Callers hold :class:`~engine.handles.StreamHandle` objects
+(``engine.handles``: they feed text and control turns from any thread and never run a graph); who holds a
+slot and who waits for one is :class:`~engine.admission.Admission`'s. Cancel and close take effect at the
+next step boundary.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import queue
 import threading
 import time
 from dataclasses import dataclass
-from typing import Protocol
 
 import numpy as np
 
+from .admission import Admission
 from .buckets import history_windows
 from .device import DeviceTensor
-from .errors import CapacityError, EngineBrokenError, EngineError, InputError, OverloadError, StreamClosedError
+from .errors import CapacityError, EngineError, InputError, OverloadError, StreamClosedError
+from .handles import AsyncSink, Event, EventSink, FrameEvent, QueueSink, StreamError, StreamHandle, TurnEnd
 from .limits import Limits
 from .prefix import PrefixCache, prefix_key
 from .runner import DEFAULT_PREFILL_CHUNK_ROWS, DEFAULT_PREFILL_ROWS_PER_TICK, SERVICE_CODEC_SCHEDULE, StepRunner
 from .sampling import SamplingParams
-from .stream import Frame, StreamState, TurnStats
+from .stream import StreamState
 
 log = logging.getLogger("mossrt.scheduler")
 
 DEFAULT_QUEUE_TIMEOUT = 10.0
 DEFAULT_MAX_BUFFERED_FRAMES = 250      # 20 s of audio waiting for its consumer
 MAX_DETACH_ATTEMPTS = 3                # a slot that cannot be freed so often: the device is not trustworthy
-
-
-# ---------------------------------------------------------------------------------------------- events
-@dataclass(frozen=True)
-class FrameEvent:
-    frame: Frame
-
-
-@dataclass(frozen=True)
-class TurnEnd:
-    turn: int
-    stats: TurnStats
-
-
-@dataclass(frozen=True)
-class StreamError:
-    error: Exception
-
-
-Event = FrameEvent | TurnEnd | StreamError
-
-
-class EventSink(Protocol):
-    def put(self, event: Event) -> None:
-        """Called on the scheduler's thread; must not block."""
-
-
-class QueueSink:
-    """Events for a consumer thread: ``get(timeout)`` blocks."""
-
-    def __init__(self):
-        self._q: queue.Queue = queue.Queue()
-
-    def put(self, event: Event) -> None:
-        self._q.put(event)
-
-    def get(self, timeout: float | None = None) -> Event:
-        return self._q.get(timeout=timeout)
-
-
-class AsyncSink:
-    """Events for an asyncio consumer: ``await get()`` never blocks the event loop."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop | None = None):
-        self._loop = loop or asyncio.get_running_loop()
-        self._q: asyncio.Queue = asyncio.Queue()
-
-    def put(self, event: Event) -> None:
-        self._loop.call_soon_threadsafe(self._q.put_nowait, event)
-
-    async def get(self) -> Event:
-        return await self._q.get()
-
-
-# ---------------------------------------------------------------------------------------------- handles
-class StreamHandle:
-    """A stream in a scheduler. Every method is thread-safe and returns without running a graph."""
-
-    def __init__(self, scheduler: "Scheduler", stream: StreamState, sink: EventSink, max_buffered_frames: int):
-        self._scheduler = scheduler
-        self.stream = stream
-        self.sink = sink
-        self.max_buffered_frames = max_buffered_frames
-        self.attached = False       # holds a KV slot (from its first turn until closed)
-        self.closed = False
-        self._reserved = False
-        self._buffered = 0          # frames delivered and not yet consumed
-        self._lock = threading.Lock()
-
-    # ------------------------------------------------------------------ turn control
-    def begin_turn(self, user_text: str = "", user_audio_codes=None, user_audio_wav=None,
-                   max_frames: int | None = None, params: SamplingParams | None = None,
-                   wait: float | None = None) -> None:
-        """Open a turn (``StreamingSession.begin_turn`` semantics). The first turn waits up to ``wait``
-        seconds (default: the scheduler's queue timeout) for a free slot, else CapacityError."""
-        self._require_open()
-        self._open_turn(self._scheduler._reserve(self, wait), user_text, user_audio_codes, user_audio_wav,
-                        max_frames, params)
-
-    async def abegin_turn(self, user_text: str = "", user_audio_codes=None, user_audio_wav=None,
-                          max_frames: int | None = None, params: SamplingParams | None = None,
-                          wait: float | None = None) -> None:
-        """``begin_turn`` for asyncio callers: waiting for a slot awaits (it holds no thread), in the same
-        first-come-first-served queue as the blocking callers; cancelling the wait leaves the queue."""
-        self._require_open()
-        self._open_turn(await self._scheduler._areserve(self, wait), user_text, user_audio_codes, user_audio_wav,
-                        max_frames, params)
-
-    def _open_turn(self, newly: bool, user_text, user_audio_codes, user_audio_wav, max_frames, params) -> None:
-        try:
-            self.stream.begin_turn(user_text, user_audio_codes, user_audio_wav, max_frames, params)
-        except BaseException:
-            if newly:
-                self._scheduler._unreserve(self)
-            raise
-        self._scheduler._wake()
-
-    def push_text(self, delta: str | bytes) -> int:
-        """Assistant text, any split; returns the ids it committed."""
-        self._require_open()
-        n = self.stream.push_text(delta)
-        if n:
-            self._scheduler._wake()
-        return n
-
-    def push_token_ids(self, ids) -> int:
-        self._require_open()
-        n = self.stream.push_token_ids(ids)
-        self._scheduler._wake()
-        return n
-
-    def end_text(self) -> int:
-        self._require_open()
-        n = self.stream.end_text()
-        self._scheduler._wake()
-        return n
-
-    def cancel(self) -> None:
-        """Barge-in: the turn ends at the next step boundary (a frame in flight is discarded)."""
-        self._require_open()
-        self.stream.cancel()
-        self._scheduler._wake()
-
-    def truncate_turn(self, audio_frames: int) -> int:
-        self._require_open()
-        kept = self.stream.truncate_turn(audio_frames)
-        self._scheduler._wake()
-        return kept
-
-    def prime(self, rows) -> None:
-        """Feed context rows between turns without generating (``StreamState.prime``)."""
-        self._require_open()
-        self._scheduler._reserve(self, None)
-        self.stream.prime(rows)
-        self._scheduler._wake()
-
-    def prime_prefix(self, rows, wait: float | None = None) -> None:
-        """Feed a stream's system block, or its text-only opening (system block + assistant header), cached
-        by the scheduler's prefix cache as it goes."""
-        self._require_open()
-        self._scheduler._reserve(self, wait)
-        self.stream.prime(rows, prefix=True)
-        self._scheduler._wake()
-
-    def close(self) -> None:
-        """End the stream and free its slot at the next step boundary. Idempotent."""
-        with self._lock:
-            if self.closed:
-                return
-            self.closed = True
-        self.stream.close()
-        self._scheduler._release(self)
-
-    # ------------------------------------------------------------------ consumer side
-    def consumed(self, frames: int = 1) -> None:
-        """The consumer took ``frames`` frames off the sink: a paused stream resumes below half the bound."""
-        with self._lock:
-            self._buffered = max(0, self._buffered - frames)
-            resume = self.stream.paused and self._buffered <= self.max_buffered_frames // 2
-        if resume:
-            self.stream.paused = False
-            self._scheduler._wake()
-
-    def get(self, timeout: float | None = None) -> Event:
-        """The next event (QueueSink); raises queue.Empty after ``timeout``."""
-        event = self.sink.get(timeout=timeout)
-        if isinstance(event, FrameEvent):
-            self.consumed()
-        return event
-
-    async def aget(self) -> Event:
-        """The next event (AsyncSink)."""
-        event = await self.sink.get()
-        if isinstance(event, FrameEvent):
-            self.consumed()
-        return event
-
-    @property
-    def context_rows(self) -> int:
-        return self.stream.fed_rows
-
-    def _delivered(self) -> None:
-        with self._lock:
-            self._buffered += 1
-            if self._buffered >= self.max_buffered_frames:
-                self.stream.paused = True
-
-    def _require_open(self) -> None:
-        if self.closed:
-            raise StreamClosedError("the stream is closed")
-
-
-# ---------------------------------------------------------------------------------------------- scheduler
-class _AsyncTicket:
-    """A place in the admission queue held by a coroutine: woken from any thread."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop):
-        self.loop = loop
-        self.event = asyncio.Event()
-
-    def wake(self) -> None:
-        try:
-            self.loop.call_soon_threadsafe(self.event.set)
-        except RuntimeError:          # its loop closed: the waiter is gone
-            pass
 
 
 @dataclass(frozen=True)
@@ -256,6 +45,9 @@ class SchedulerStats:
 
 
 class Scheduler:
+    """The device loop over ``slots`` KV slots of ``model``: admission (:attr:`admission`), the runner, and
+    one thread that attaches, ticks and detaches."""
+
     def __init__(self, model, slots: int, limits: Limits | None = None,
                  prefill_chunk_rows: int = DEFAULT_PREFILL_CHUNK_ROWS,
                  prefill_rows_per_tick: int = DEFAULT_PREFILL_ROWS_PER_TICK,
@@ -275,12 +67,9 @@ class Scheduler:
         self.max_buffered_frames = max_buffered_frames
         self._cond = threading.Condition()
         self._dirty = False
-        self._reserved = 0                        # slots promised to handles (attached or about to be)
-        self._waiting: list[object] = []          # tickets of begin_turn calls waiting for a slot, in order
+        self.admission = Admission(self.runner.slots, queue_timeout, self._cond, self._mark_dirty,
+                                   lambda: self.broken)
         self._handles: list[StreamHandle] = []    # attached, in the loop thread's view
-        self._to_attach: list[StreamHandle] = []
-        self._to_detach: list[StreamHandle] = []
-        self._accepting = True
         self._stop = False
         self._detach_failures: dict[int, int] = {}   # id(handle) -> failed detaches (its slot is still taken)
         self.broken: str | None = None            # why the engine is unusable (no new streams), else None
@@ -304,14 +93,15 @@ class Scheduler:
     def stats(self) -> SchedulerStats:
         with self._cond:
             generating = sum(1 for h in self._handles if h.stream.has_turn and not h.stream.turn_done)
-            return SchedulerStats(capacity=self.runner.slots, active=self._reserved, queued=len(self._waiting),
+            return SchedulerStats(capacity=self.runner.slots, active=self.admission.promised,
+                                  queued=self.admission.queued,
                                   generating=generating, bytes_per_stream=self.runner.bytes_per_stream())
 
     def open_stream(self, voice_codes=None, params: SamplingParams | None = None, seed: int | None = None,
                     decode_audio: bool = True, allow_special_tokens: bool = False,
                     sink: EventSink | None = None, limits: Limits | None = None) -> StreamHandle:
         """A new stream (no slot yet: it takes one at its first turn). Validates its settings now."""
-        if not self._accepting:
+        if not self.admission.accepting:
             raise OverloadError("the server is draining: no new streams")
         limits = limits or self.limits
         if limits.max_context_rows > self.limits.max_context_rows:
@@ -364,7 +154,7 @@ class Scheduler:
     def drain(self, timeout: float) -> bool:
         """Stop admitting streams and wait up to ``timeout`` s for every turn in progress to end.
         Returns whether they all did."""
-        self._accepting = False
+        self.admission.accepting = False
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if not self.stats().generating:
@@ -374,120 +164,22 @@ class Scheduler:
 
     def stop(self) -> None:
         """End the loop; streams still open get a StreamError and are closed."""
-        self._accepting = False
+        self.admission.close()
         with self._cond:
             self._stop = True
-            self._notify()
+            self._cond.notify_all()
         self._thread.join(timeout=30)
 
-    # ------------------------------------------------------------------ admission (caller threads)
-    def _reserve(self, handle: StreamHandle, wait: float | None) -> bool:
-        """Promise ``handle`` a slot (once); False if it already has one."""
-        with self._cond:
-            ticket = object()
-            deadline = self._join_queue(handle, ticket, wait)
-            if deadline is None:
-                return False
-            try:
-                while not self._admissible(ticket):
-                    left = deadline - time.monotonic()
-                    if left <= 0 or self._stop:
-                        raise self._no_capacity()
-                    self._cond.wait(timeout=left)
-            finally:
-                self._waiting.remove(ticket)
-                self._notify()                       # the next in line may be admitted now
-            self._admit(handle)
-            return True
-
-    async def _areserve(self, handle: StreamHandle, wait: float | None) -> bool:
-        """``_reserve`` on an event loop: the ticket waits on an asyncio event, set by every change that may
-        admit it, so no thread is held however long the queue (the timeout is the time to the refusal)."""
-        ticket = _AsyncTicket(asyncio.get_running_loop())
-        with self._cond:
-            deadline = self._join_queue(handle, ticket, wait)
-        if deadline is None:
-            return False
-        try:
-            while True:
-                with self._cond:
-                    if self._admissible(ticket):
-                        self._admit(handle)
-                        return True
-                    if self._stop:
-                        raise self._no_capacity()
-                    ticket.event.clear()             # set again by the next _notify
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise self._no_capacity()
-                try:
-                    await asyncio.wait_for(ticket.event.wait(), left)
-                except asyncio.TimeoutError:
-                    pass
-        finally:
-            with self._cond:
-                self._waiting.remove(ticket)
-                self._notify()
-
-    def _join_queue(self, handle: StreamHandle, ticket: object, wait: float | None) -> float | None:
-        """(Holding ``_cond``.) ``ticket`` joins the queue, first come first served: its deadline, or None
-        when ``handle`` already holds a slot."""
-        if handle._reserved:
-            return None
-        if not self._accepting:
-            raise OverloadError("the server is draining: no new streams")
-        if self.broken:
-            raise EngineBrokenError(f"the engine is broken: {self.broken}")
-        self._waiting.append(ticket)
-        return time.monotonic() + (self.queue_timeout if wait is None else wait)
-
-    def _admissible(self, ticket: object) -> bool:
-        return self._reserved < self.runner.slots and self._waiting[0] is ticket
-
-    def _admit(self, handle: StreamHandle) -> None:
-        self._reserved += 1
-        handle._reserved = True
-        self._to_attach.append(handle)
+    # ------------------------------------------------------------------ waking the loop
+    def _mark_dirty(self) -> None:
+        """(Holding ``_cond``.) The loop has work: handles to attach or detach, or a stream changed."""
         self._dirty = True
-        self._notify()
-
-    def _no_capacity(self) -> CapacityError:
-        return CapacityError(f"all {self.runner.slots} stream slots are busy; retry later")
-
-    def _notify(self) -> None:
-        """Wake every waiter, blocking and asyncio (call holding ``_cond``)."""
         self._cond.notify_all()
-        for ticket in self._waiting:
-            if isinstance(ticket, _AsyncTicket):
-                ticket.wake()
 
-    def _unreserve(self, handle: StreamHandle) -> None:
+    def wake(self) -> None:
+        """A stream changed (text, a turn, cancel): the loop looks at it at its next wake."""
         with self._cond:
-            if handle in self._to_attach:
-                self._to_attach.remove(handle)
-                self._reserved -= 1
-                handle._reserved = False
-                self._notify()
-
-    def _release(self, handle: StreamHandle) -> None:
-        """Free the handle's slot for admission now: the loop detaches it before it attaches anyone else,
-        so a client that opens its next stream right after closing one is never refused for its own."""
-        with self._cond:
-            if not handle._reserved:
-                return
-            if handle in self._to_attach:
-                self._to_attach.remove(handle)
-            else:
-                self._to_detach.append(handle)
-            self._reserved -= 1
-            handle._reserved = False
-            self._dirty = True
-            self._notify()
-
-    def _wake(self) -> None:
-        with self._cond:
-            self._dirty = True
-            self._cond.notify_all()
+            self._mark_dirty()
 
     # ------------------------------------------------------------------ the loop (its own thread)
     def _warm_up(self) -> None:
@@ -523,8 +215,7 @@ class Scheduler:
                 self._dirty = False
                 if self._stop:
                     break
-                leaving, self._to_detach = self._to_detach, []
-                joining, self._to_attach = self._to_attach, []
+                leaving, joining = self.admission.changes()
             try:
                 # slot moves and resets run outside the lock: no caller waits on a device copy. Detaches
                 # first: the slots they free are already promised.
@@ -541,7 +232,7 @@ class Scheduler:
                 with self._cond:
                     stranded = list(self._handles)
                 for h in stranded:                      # an error now rather than a stream that never ends
-                    self._fail_handle(h, EngineError(f"internal error: {exc}"))
+                    self._fail(h, EngineError(f"internal error: {exc}"))
                 wait_s = None
         self._shutdown()
 
@@ -557,20 +248,16 @@ class Scheduler:
             tries = self._detach_failures.get(id(h), 0) + 1
             self._detach_failures[id(h)] = tries
             log.error("freeing a stream slot failed (attempt %d of %d): %s", tries, MAX_DETACH_ATTEMPTS, exc)
-            with self._cond:
-                if tries < MAX_DETACH_ATTEMPTS:
-                    self._to_detach.append(h)
-                if tries == 1:
-                    self._reserved += 1                 # still taken: admission must not promise it
+            # still taken: admission must not promise it again
+            self.admission.detach_failed(h, first=tries == 1, retry=tries < MAX_DETACH_ATTEMPTS)
             if tries >= MAX_DETACH_ATTEMPTS:
                 self._break(f"a stream slot could not be freed ({type(exc).__name__}: {exc})")
             return
         with self._cond:
             self._handles.remove(h)
             h.attached = False
-            if self._detach_failures.pop(id(h), 0):
-                self._reserved -= 1
-                self._notify()                          # asyncio waiters too
+        if self._detach_failures.pop(id(h), 0):
+            self.admission.detached_after_failures()
 
     def _attach(self, h: StreamHandle) -> None:
         """Give a handle its runner slot; when that fails only its stream fails (its slot is free again)."""
@@ -578,19 +265,16 @@ class Scheduler:
             self.runner.attach(h.stream)
         except Exception as exc:  # noqa: BLE001 - one stream, never the loop
             log.error("starting a stream failed: %s", exc)
-            with self._cond:
-                if h._reserved:
-                    self._reserved -= 1
-                    h._reserved = False
-                    self._notify()
-            self._fail_handle(h, EngineError(f"the stream could not start: {exc}"))
+            self.admission.attach_failed(h)
+            self._fail(h, EngineError(f"the stream could not start: {exc}"))
             return
         with self._cond:
             self._handles.append(h)
             h.attached = True
 
-    def _fail_handle(self, h: StreamHandle, error: Exception) -> None:
-        """The handle's turn ends with ERROR: the error, then the turn's end, to its consumer."""
+    def _fail(self, h: StreamHandle, error: Exception) -> None:
+        """The one way a stream fails: its turn ends with ERROR, and its consumer gets the error, then the
+        turn's end (a consumer waiting for either always gets both)."""
         h.stream.fail()
         h.sink.put(StreamError(error))
         for turn, stats in h.stream.take_finished():
@@ -611,8 +295,7 @@ class Scheduler:
         except Exception as exc:  # noqa: BLE001 - a bug in the loop must not kill every stream silently
             log.exception("scheduler tick failed")
             for h in handles:
-                h.stream.fail()
-                h.sink.put(StreamError(EngineError(f"internal error: {exc}")))
+                self._fail(h, EngineError(f"internal error: {exc}"))
             result = None
         by_stream = {id(h.stream): h for h in handles}
         if result is not None:
@@ -624,7 +307,7 @@ class Scheduler:
                 h = by_stream.get(id(stream))
                 if h is not None:
                     h.sink.put(FrameEvent(frame))
-                    h._delivered()
+                    h.delivered()
             for stream, turn, stats in result.turn_ends:
                 h = by_stream.get(id(stream))
                 if h is not None:
@@ -634,9 +317,12 @@ class Scheduler:
         return 0.0 if result.worked else self.runner.seconds_until_work()
 
     def _shutdown(self) -> None:
-        for h in list(self._handles) + list(self._to_attach):
+        with self._cond:
+            _, joining = self.admission.changes()
+        for h in list(self._handles) + joining:
             if not h.closed:
-                h.stream.fail()
-                h.sink.put(StreamError(StreamClosedError("the scheduler stopped")))
-                for turn, stats in h.stream.take_finished():
-                    h.sink.put(TurnEnd(turn, stats))
+                self._fail(h, StreamClosedError("the scheduler stopped"))
+
+
+__all__ = ["AsyncSink", "Event", "EventSink", "FrameEvent", "QueueSink", "Scheduler", "SchedulerStats", "StreamError",
+           "StreamHandle", "TurnEnd"]
