@@ -19,9 +19,9 @@ import time
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 
-from .auth import http_key_error
 from .errors import ApiError
 from .metrics import Metrics
+from .session.policy import SessionPolicy
 from .settings import ServerSettings
 
 log = logging.getLogger("mossrt.app")
@@ -46,13 +46,28 @@ def body_limit(settings: ServerSettings, content_type: str) -> int:
 
 
 class RequestGuard:
-    def __init__(self, app, settings: ServerSettings, metrics: Metrics, counted_elsewhere: tuple[str, ...], openapi):
+    def __init__(self, app, settings: ServerSettings, metrics: Metrics, counted_elsewhere: tuple[str, ...], openapi,
+                 elevenlabs_prefixes: tuple[str, ...] = ()):
         self.app, self.settings, self.metrics = app, settings, metrics
+        self.policy = SessionPolicy.from_settings(settings)
+        self.elevenlabs_prefixes = elevenlabs_prefixes   # routes whose refusals are in ElevenLabs' shape
         self.counted_elsewhere = counted_elsewhere   # streamed endpoints that count their requests when they end
         self._openapi = openapi                      # the app's schema: the route templates of unrouted refusals
         self._templates: list[tuple[re.Pattern, str]] | None = None
 
     async def __call__(self, scope, receive, send) -> None:
+        try:
+            await self._serve(scope, receive, send)
+        except asyncio.CancelledError:
+            # the shutdown window ended while this response or socket was still going (a client too slow to
+            # take its audio before the deadline): one line, not uvicorn's traceback of the cancellation
+            service = getattr(getattr(scope.get("app"), "state", None), "service", None)
+            if service is None or service.state != "draining":
+                raise
+            log.warning("%s %s: cut off at the end of the shutdown window (the client was still receiving)",
+                        scope.get("method", "WS"), scope.get("path"))
+
+    async def _serve(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
@@ -75,7 +90,9 @@ class RequestGuard:
         refusal = self._refusal(scope, headers)
         try:
             if refusal is not None:
-                await refusal.response()(scope, receive, send_with_id)
+                shape = (refusal.elevenlabs_response if scope["path"].startswith(self.elevenlabs_prefixes)
+                         else refusal.response)
+                await shape()(scope, receive, send_with_id)
             else:
                 await self.app(scope, self._bounded(receive, body_limit(self.settings, headers.get("content-type", "")),
                                                     started), send_with_id)
@@ -88,14 +105,14 @@ class RequestGuard:
     def _refusal(self, scope, headers: Headers) -> ApiError | None:
         """The error a request gets before its body is read: no key, or a declared body over the limit."""
         if scope["path"].startswith("/v1") and scope["method"] != "OPTIONS":
-            err = http_key_error(headers, self.settings.api_keys)
+            err = self.policy.http_key_error(headers)
             if err is not None:
                 return err
         declared = headers.get("content-length")
         if declared is not None:
             limit = body_limit(self.settings, headers.get("content-type", ""))
             if not declared.strip().isdigit():
-                return ApiError(400, "Content-Length is not a number", code="invalid_content_length")
+                return ApiError("invalid_content_length", "Content-Length is not a number")
             if int(declared) > limit:
                 return _too_large(limit)
         return None
@@ -143,4 +160,4 @@ class RequestGuard:
 
 
 def _too_large(limit: int) -> ApiError:
-    return ApiError(413, f"the request body is larger than {limit} bytes", code="request_too_large")
+    return ApiError("request_too_large", f"the request body is larger than {limit} bytes")

@@ -67,7 +67,7 @@ def create_app(settings: ServerSettings, bundle: Bundle) -> FastAPI:
     # added first, so it runs inside CORS: preflights are answered before it, its refusals get CORS headers
     app.add_middleware(RequestGuard, settings=settings, metrics=metrics,
                        counted_elsewhere=(speech.ENDPOINT, *elevenlabs_http.STREAMED_PATHS),
-                       openapi=lambda: app.openapi())
+                       openapi=lambda: app.openapi(), elevenlabs_prefixes=elevenlabs_http.ROUTE_PREFIXES)
     if settings.cors_origins:
         app.add_middleware(JsonCORSMiddleware, allow_origins=settings.cors_origins, allow_methods=["*"],
                            allow_headers=["*"], expose_headers=["X-Request-Id"])

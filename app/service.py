@@ -25,6 +25,7 @@ from engine.tts import TTSModel
 from engine.voices import VoiceRecord, VoiceRegistry, resolve_voice
 
 from .errors import ApiError
+from .session.policy import SessionPolicy
 from .settings import ServerSettings
 
 log = logging.getLogger("mossrt.service")
@@ -67,8 +68,8 @@ class TTSService:
     def __init__(self, settings: ServerSettings, bundle: Bundle):
         self.settings = settings
         self.bundle = bundle
-        self.limits = Limits(max_text_chars=settings.max_input_chars, max_voice_seconds=settings.max_voice_seconds,
-                             max_context_rows=settings.max_context_rows)
+        self.limits: Limits = settings.limits()
+        self.policy = SessionPolicy.from_settings(settings)
         self.model: TTSModel | None = None
         self.scheduler: Scheduler | None = None
         self.voices = VoiceRegistry(settings.voices_dir, bundle.identity, max_voices=settings.max_voices)
@@ -162,16 +163,16 @@ class TTSService:
 
     def require_ready(self) -> None:
         if self.health_state == "broken":
-            raise ApiError(503, f"the engine is broken: {self.scheduler.broken}", "server_error", None, "engine_broken")
+            raise ApiError("engine_broken", f"the engine is broken: {self.scheduler.broken}")
         if self.state == "ready":
             return
         if self.state == "draining":
-            raise ApiError(503, "the server is shutting down", "server_error", None, "draining", {"Retry-After": "1"})
+            raise ApiError("draining", "the server is shutting down")
         if self.state == "failed":
-            raise ApiError(503, f"the model failed to load: {self.error}", "server_error", None, "load_failed")
+            raise ApiError("load_failed", f"the model failed to load: {self.error}")
         if self.state == "warming":
-            raise ApiError(503, "the model is warming up", "server_error", None, "warming", {"Retry-After": "5"})
-        raise ApiError(503, "the model is loading", "server_error", None, "loading", {"Retry-After": "5"})
+            raise ApiError("warming", "the model is warming up")
+        raise ApiError("loading", "the model is loading")
 
     # ------------------------------------------------------------------ requests
     def resolve_voice(self, voice, param: str = "voice") -> np.ndarray | None:
@@ -181,15 +182,15 @@ class TTSService:
         if key is None or (isinstance(key, str) and key.lower() in (DEFAULT_VOICE, *OPENAI_VOICES)):
             return None                                  # "alloy" and {"id": "alloy"} alike
         if not isinstance(key, str):
-            raise ApiError(400, "voice must be a name or {\"id\": ...}", param=param, code="invalid_value")
+            raise ApiError("invalid_value", "voice must be a name or {\"id\": ...}", param)
         rec = self.voices.find(key)
         if rec is None:
-            raise ApiError(400, f"unknown voice {key!r}: use 'default', one of OpenAI's names, or a voice registered "
-                           "with POST /v1/audio/voices", param=param, code="voice_not_found")
+            raise ApiError("voice_not_found", f"unknown voice {key!r}: use 'default', one of OpenAI's names, or a voice registered "
+                           "with POST /v1/audio/voices", param)
         try:
             codes = resolve_voice(self.model, self.limits, codes=self.voices.codes(rec))
         except InputError as e:
-            raise ApiError(400, str(e), param=param, code="voice_unusable") from None
+            raise ApiError("voice_unusable", str(e), param) from None
         self._load_prefix(rec, codes)
         return codes
 
@@ -200,7 +201,7 @@ class TTSService:
                                                repetition_window=fields.repetition_window,
                                                greedy=fields.greedy or None)
         except InputError as e:
-            raise ApiError(400, str(e), code="invalid_value") from None
+            raise ApiError("invalid_value", str(e)) from None
 
     def open_stream(self, voice_codes, params: SamplingParams, seed: int | None, sink,
                     allow_special_tokens: bool = False) -> StreamHandle:

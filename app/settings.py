@@ -1,13 +1,26 @@
-"""Service settings: every ``mossrt serve`` flag is also a ``MOSSRT_*`` environment variable."""
+"""Service settings, each declared once: its name, type, bounds, default, ``MOSSRT_*`` environment variable, help,
+and whether ``mossrt serve`` also takes it as a flag. The flags (``mossrt/serve.py``), the engine limits the
+service uses (:meth:`ServerSettings.limits`) and the settings table of ``docs/operations.md`` (a test compares
+it with :func:`settings_table`) are all derived from this class.
+"""
 
 from __future__ import annotations
 
+import typing
 from pathlib import Path
 from typing import Literal
 
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 from typing_extensions import Annotated
+
+from engine.limits import DEFAULT_MAX_TEXT_CHARS, Limits
+from engine.scheduler import DEFAULT_QUEUE_TIMEOUT
+
+ENV_PREFIX = "MOSSRT_"
+# the service's stream slots are smaller than the offline tools' (engine.limits.DEFAULT_MAX_CONTEXT_ROWS,
+# 8192 rows): a served stream holds its KV slot while it is open, and 4096 rows is over 4 minutes of audio
+SERVER_MAX_CONTEXT_ROWS = 4096
 
 
 def _split(value):
@@ -16,55 +29,90 @@ def _split(value):
     return value
 
 
+def setting(default, help: str, *, flag: bool = True, metavar: str | None = None, **bounds):
+    """A setting's declaration: its default, bounds (``ge``/``gt``/``le``/``lt``), help, and whether
+    ``mossrt serve`` takes it as a flag too (``--the-name``) or as its environment variable only."""
+    return Field(default, description=help, json_schema_extra={"flag": flag, "metavar": metavar}, **bounds)
+
+
+def _default_voices_dir() -> Path:
+    return Path.home() / ".local" / "share" / "mossrt" / "voices"
+
+
 class ServerSettings(BaseSettings):
-    """Validated at start-up; a bad value stops the server with the variable's name."""
+    """Validated at start-up; a bad value stops the server with the flag's and the variable's name."""
 
-    model_config = SettingsConfigDict(env_prefix="MOSSRT_", frozen=True, extra="ignore")
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, frozen=True, extra="ignore")
 
-    bundle: Path | None = Field(None, description="bundle directory (none: the built-in demo bundle)")
-    host: str = "127.0.0.1"
-    port: int = Field(8000, ge=1, le=65535)
-    api_keys: Annotated[list[str], NoDecode] = Field(default_factory=list, description="Bearer keys; none = open")
-    voices_dir: Path = Path.home() / ".local" / "share" / "mossrt" / "voices"
-    max_streams: int | None = Field(None, ge=1, le=1024, description="concurrent streams (KV slots)")
-    kv_budget_bytes: int | None = Field(None, ge=1, description="memory for KV slots when max_streams is unset")
-    prefix_cache_bytes: int = Field(512 * 2**20, ge=0, description="Device memory (bytes) of system-prompt and voice KV kept for reuse")
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-    threads: int = Field(0, ge=0, le=256)
-    max_input_chars: int = Field(4096, ge=1, le=100_000)
-    max_context_rows: int = Field(4096, ge=256, le=1 << 17)
-    max_voice_seconds: float = Field(30.0, ge=1.0, le=600.0)
-    max_upload_bytes: int = Field(10 * 1024 * 1024, ge=1024, le=1 << 30)
-    queue_timeout: float = Field(10.0, ge=0.0, le=600.0, description="seconds a request waits for a slot")
-    drain_timeout: float = Field(60.0, ge=0.0, le=3600.0, description="seconds streams may finish after SIGTERM")
-    cors_origins: Annotated[list[str], NoDecode] = Field(default_factory=list)
-    verify: Literal["quick", "full", "off"] = "quick"
-    log_format: Literal["text", "json"] = "text"
-    log_level: Literal["debug", "info", "warning", "error"] = "info"
-    # WebSocket sessions
-    ws_idle_timeout: float = Field(60.0, gt=0, le=3600.0)
-    ws_max_message_bytes: int = Field(4 * 1024 * 1024, ge=1024, le=64 * 1024 * 1024)
-    ws_max_buffered_chars: int = Field(8192, ge=16, le=1_000_000, description="text received but not yet spoken")
-    ws_max_turns: int = Field(200, ge=1, le=100_000)
-    ws_text_timeout: float = Field(30.0, gt=0, le=3600.0, description="seconds a turn waits for more text before "
-                                   "its text is ended for it")
+    # the model and the process
+    bundle: Path | None = setting(None, "bundle directory (default: the built-in demo bundle)", metavar="DIR")
+    host: str = setting("127.0.0.1", "bind address (containers use 0.0.0.0)")
+    port: int = setting(8000, "bind port", ge=1, le=65535)
+    device: Literal["auto", "cpu", "cuda"] = setting("auto", "onnxruntime provider (auto: CUDA when every node "
+                                                             "of the bundle runs there)")
+    threads: int = setting(0, "intra-op threads (0: all cores)", ge=0, le=256)
+    verify: Literal["quick", "full", "off"] = setting("quick", "bundle check at start: sizes (quick) or every "
+                                                               "sha256 (full)")
+    log_format: Literal["text", "json"] = setting("text", "log lines as text or JSON")
+    log_level: Literal["debug", "info", "warning", "error"] = setting("info", "log level")
+    cuda_graphs: Literal["on", "off"] | None = setting(None, "capture each batch bucket's step as CUDA graphs "
+                                                             "(unset: on with CUDA when the graphs place fully "
+                                                             "there)")
+    warm_buckets: Literal["on", "off"] | None = setting(None, "run every batch bucket's calls once before /ready "
+                                                              "turns 200 (unset: on when CUDA graphs are on)")
+    # capacity
+    max_streams: int | None = setting(None, "concurrent streams, i.e. KV slots (unset: what half the available "
+                                            "memory holds, at most 64)", ge=1, le=1024)
+    kv_budget_bytes: int | None = setting(None, "memory for KV slots when --max-streams is unset (unset: half the "
+                                                "available memory)", flag=False, ge=1)
+    prefix_cache_bytes: int = setting(512 * 2**20, "device memory kept for system-prompt and voice KV prefixes",
+                                      flag=False, ge=0)
+    max_context_rows: int = setting(SERVER_MAX_CONTEXT_ROWS, "context rows per stream: its KV slot", ge=256,
+                                    le=1 << 17)
+    queue_timeout: float = setting(DEFAULT_QUEUE_TIMEOUT, "seconds a request waits for a free stream, then 429",
+                                   ge=0.0, le=600.0)
+    drain_timeout: float = setting(60.0, "seconds running turns may finish after SIGTERM", ge=0.0, le=3600.0)
+    shutdown_delay: float = setting(0.0, "seconds after SIGTERM with /ready 503 and the listener open (the "
+                                         "preStop window)", ge=0.0, le=600.0)
+    # what a request may hold
+    api_keys: Annotated[list[str], NoDecode] = setting([], "accepted API keys (the flag repeatable, the variable "
+                                                           "comma-separated; none: no authentication)", metavar="KEY")
+    cors_origins: Annotated[list[str], NoDecode] = setting([], "browser origins allowed, * = any (the flag "
+                                                               "repeatable, the variable comma-separated): CORS, and "
+                                                               "the Origin of WebSocket upgrades", metavar="ORIGIN")
+    max_input_chars: int = setting(DEFAULT_MAX_TEXT_CHARS, "longest text of one request", ge=1, le=100_000)
+    max_voice_seconds: float = setting(30.0, "longest voice sample", ge=1.0, le=600.0)
+    max_upload_bytes: int = setting(10 * 1024 * 1024, "largest multipart upload (voice samples)", ge=1024,
+                                    le=1 << 30)
+    max_body_bytes: int = setting(1024 * 1024, "largest JSON request body, refused before it is parsed", ge=1024,
+                                  le=1 << 30)
+    header_timeout: float = setting(10.0, "seconds a connection may take to send a request's headers", gt=0,
+                                    le=600.0)
+    body_timeout: float = setting(60.0, "seconds a request's body may take to arrive, then 408", gt=0, le=3600.0)
+    stall_timeout: float = setting(30.0, "seconds a stream waits for its client to take audio, then it ends (every "
+                                         "transport)", gt=0, le=3600.0)
+    max_voices: int = setting(1000, "registered voices kept at most (POST /v1/audio/voices is a 409 beyond)",
+                              ge=1, le=1_000_000)
+    voices_dir: Path = setting(_default_voices_dir(), "where registered voices are stored", metavar="DIR")
+    # WebSocket sessions (ours and the ElevenLabs-compatible ones)
+    ws_idle_timeout: float = setting(60.0, "seconds a socket with no turn running may send nothing, then it is "
+                                           "closed (an ElevenLabs inactivity_timeout above it is cut to it)", gt=0,
+                                     le=3600.0)
+    ws_text_timeout: float = setting(30.0, "seconds an open turn waits for more text while it has nothing to "
+                                           "speak, then its text is ended for it", gt=0, le=3600.0)
+    ws_auth_timeout: float = setting(10.0, "seconds an ElevenLabs socket without a key in its handshake has to "
+                                           "send it in its first message", gt=0, le=600.0)
+    ws_max_message_bytes: int = setting(4 * 1024 * 1024, "largest WebSocket message", ge=1024,
+                                        le=64 * 1024 * 1024)
+    ws_max_buffered_chars: int = setting(8192, "text received but not yet spoken, per socket", ge=16,
+                                         le=1_000_000)
+    ws_max_turns: int = setting(200, "turns of one socket", ge=1, le=100_000)
+    ws_max_contexts: int = setting(5, "open contexts of one ElevenLabs multi-context socket (ElevenLabs allows "
+                                      "5)", ge=1, le=1000)
     # ElevenLabs-compatible routes: their clients send no sampling settings (a seed only as a query parameter)
-    elevenlabs_seed: int | None = Field(None, ge=0, lt=2**32, description="seed when a request names none")
-    elevenlabs_greedy: bool = Field(False, description="greedy decoding on the ElevenLabs routes (reproducible)")
-    max_voices: int = Field(1000, ge=1, le=1_000_000, description="registered voices the server keeps at most")
-    # what one client may hold: request bodies, read times, streams it stops taking, the shutdown window
-    max_body_bytes: int = Field(1024 * 1024, ge=1024, le=1 << 30, description="largest JSON (non-upload) body")
-    header_timeout: float = Field(10.0, gt=0, le=600.0, description="seconds to send a request's headers")
-    body_timeout: float = Field(60.0, gt=0, le=3600.0, description="seconds for a request's body to arrive")
-    stall_timeout: float = Field(30.0, gt=0, le=3600.0, description="seconds a stream waits for its client "
-                                                                  "to take audio before it ends")
-    shutdown_delay: float = Field(0.0, ge=0.0, le=600.0, description="seconds after SIGTERM with /ready 503 and "
-                                                                   "the listener open (the preStop window)")
-    # the GPU step loop
-    cuda_graphs: Literal["on", "off"] | None = Field(None, description="capture each batch bucket's step as CUDA "
-                                                     "graphs (none: on with CUDA when the graphs place fully there)")
-    warm_buckets: Literal["on", "off"] | None = Field(None, description="run every batch bucket's calls once before "
-                                                      "/ready turns 200 (none: on when CUDA graphs are on)")
+    elevenlabs_seed: int | None = setting(None, "seed of an ElevenLabs request that names none", ge=0, lt=2**32)
+    elevenlabs_greedy: bool = setting(False, "greedy decoding on the ElevenLabs routes (reproducible)",
+                                      flag=False)
 
     @field_validator("api_keys", "cors_origins", mode="before")
     @classmethod
@@ -78,3 +126,79 @@ class ServerSettings(BaseSettings):
             if len(k) < 8 or any(c.isspace() for c in k):
                 raise ValueError("API keys must be at least 8 characters without spaces")
         return keys
+
+    def limits(self) -> Limits:
+        """The engine limits the service holds every stream to."""
+        return Limits(max_text_chars=self.max_input_chars, max_voice_seconds=self.max_voice_seconds,
+                      max_context_rows=self.max_context_rows)
+
+
+# ---------------------------------------------------------------------------------------------- derived
+def env_name(field: str) -> str:
+    return ENV_PREFIX + field.upper()
+
+
+def flag_name(field: str) -> str:
+    """``max_streams`` → ``--max-streams``; the list settings take one value per flag (``--api-key``)."""
+    singular = {"api_keys": "api_key", "cors_origins": "cors_origin"}.get(field, field)
+    return "--" + singular.replace("_", "-")
+
+
+def bounds(info) -> tuple:
+    """(lowest, highest, lowest excluded) of a field's numeric bounds."""
+    lo = hi = None
+    open_lo = False
+    for m in info.metadata:
+        for attr, is_open in (("ge", False), ("gt", True)):
+            if getattr(m, attr, None) is not None:
+                lo, open_lo = getattr(m, attr), is_open
+        for attr in ("le", "lt"):
+            if getattr(m, attr, None) is not None:
+                hi = getattr(m, attr)
+    return lo, hi, open_lo
+
+
+def choices(info) -> tuple | None:
+    """The values of a ``Literal`` setting (None for others)."""
+    if typing.get_origin(info.annotation) is Literal:
+        return typing.get_args(info.annotation)
+    args = [a for a in typing.get_args(info.annotation) if a is not type(None)] or [info.annotation]
+    literal = next((a for a in args if typing.get_origin(a) is Literal), None)
+    return typing.get_args(literal) if literal is not None else None
+
+
+def is_flag(info) -> bool:
+    return bool((info.json_schema_extra or {}).get("flag", True))
+
+
+def _default_text(field: str, info) -> str:
+    if field == "voices_dir":
+        return "`~/.local/share/mossrt/voices`"
+    value = info.default
+    if value is None or value == []:
+        return "unset"
+    if isinstance(value, bool):
+        return "off" if not value else "on"
+    if isinstance(value, int) and value >= 1 << 20 and value % (1 << 20) == 0:
+        return f"{value // (1 << 20)} MiB"
+    return f"`{value}`"
+
+
+def _bounds_text(info) -> str:
+    c = choices(info)
+    if c:
+        return " \\| ".join(f"`{v}`" for v in c)
+    lo, hi, open_lo = bounds(info)
+    if lo is None and hi is None:
+        return ""
+    return f"{'>' if open_lo else ''}{lo if lo is not None else ''}..{hi if hi is not None else ''}"
+
+
+def settings_table() -> str:
+    """The Markdown table of every setting (``docs/operations.md`` holds it; a test keeps them equal)."""
+    rows = ["| setting | flag | environment | default | values | meaning |", "|---|---|---|---|---|---|"]
+    for field, info in ServerSettings.model_fields.items():
+        flag = f"`{flag_name(field)}`" if is_flag(info) else "—"
+        rows.append(f"| {field} | {flag} | `{env_name(field)}` | {_default_text(field, info)} | {_bounds_text(info)} "
+                    f"| {info.description} |")
+    return "\n".join(rows)

@@ -13,19 +13,23 @@ from .errors import ContextLimitError, InputError, TextTooLongError
 
 HARD_MAX_FRAMES = 3750              # 5 minutes of audio per turn
 MAX_CONTEXT_ROWS = 1 << 17          # no model context is longer (Qwen3: 32K; rows hold one id each)
+DEFAULT_MAX_TEXT_CHARS = 4096       # one text (a synth text, an HTTP input): the CLI's and the server's default
+# the offline tools' stream context (synth, replay, bench); the server's slots default to 4096 rows
+# (app.settings.SERVER_MAX_CONTEXT_ROWS): a served stream holds its KV slot for as long as it is open
+DEFAULT_MAX_CONTEXT_ROWS = 8192
 
 
 @dataclass(frozen=True)
 class Limits:
     """Bounds on caller input (validated on construction)."""
 
-    max_text_chars: int = 4000          # characters of one text (a synth text, an HTTP input)
+    max_text_chars: int = DEFAULT_MAX_TEXT_CHARS   # characters of one text
     max_voice_seconds: float = 30.0     # a voice-clone reference (its rows sit in every turn's context)
     max_user_audio_seconds: float = 60.0  # user audio given as turn context
     min_audio_seconds: float = 0.5      # shorter references carry no usable timbre
     min_sample_rate: int = 8000         # reference audio below this is not speech audio
     max_sample_rate: int = 384000
-    max_context_rows: int = 8192        # rows of one stream's KV context (its slot size)
+    max_context_rows: int = DEFAULT_MAX_CONTEXT_ROWS   # rows of one stream's KV context (its slot size)
     max_frames: int = HARD_MAX_FRAMES   # frames of one turn
 
     def __post_init__(self):

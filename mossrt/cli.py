@@ -12,6 +12,7 @@ import sys
 import traceback
 
 from . import commands as c
+from engine.limits import DEFAULT_MAX_CONTEXT_ROWS, DEFAULT_MAX_TEXT_CHARS, HARD_MAX_FRAMES, MAX_CONTEXT_ROWS
 from engine.sampling import MAX_TOP_K
 
 from .argtypes import any_int, finite_float, int_in
@@ -66,8 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     def limit_flags(sp, text=True):
         if text:
-            sp.add_argument("--max-text-chars", type=int_in(1, 1_000_000), default=4000,
-                            help="longest text accepted, in characters (default 4000)")
+            sp.add_argument("--max-text-chars", type=int_in(1, 1_000_000), default=DEFAULT_MAX_TEXT_CHARS,
+                            help=f"longest text accepted, in characters (default {DEFAULT_MAX_TEXT_CHARS})")
         sp.add_argument("--max-voice-seconds", type=finite_float, default=None,
                         help="longest voice reference accepted, in seconds (default 30)")
 
@@ -126,7 +127,8 @@ def build_parser() -> argparse.ArgumentParser:
     bs = bsub.add_parser("streams", help="N concurrent streams through the batched scheduler")
     bundle_flag(bs)
     bs.add_argument("--streams", default="1,2,4,8,16", help="stream counts to run, e.g. 1,2,4,8,16 (each 1..256)")
-    bs.add_argument("--frames", type=int_in(2, 3750), default=32, help="frames per stream (2..3750)")
+    bs.add_argument("--frames", type=int_in(2, HARD_MAX_FRAMES), default=32,
+                    help=f"frames per stream (2..{HARD_MAX_FRAMES})")
     bs.add_argument("--json", help="also write the results as JSON here")
     runtime_flags(bs)
     bs.set_defaults(func=c.cmd_bench_streams)
@@ -148,7 +150,8 @@ def build_parser() -> argparse.ArgumentParser:
     d = sub.add_parser("demo", help="build the built-in demo bundle and synthesize with it")
     d.add_argument("--bundle", help="demo bundle directory (default: MOSSRT_DEMO_DIR or ~/.cache/mossrt/demo-bundle)")
     d.add_argument("--text", default="Hello from mossrt, the streaming speech service.", help="text to speak")
-    d.add_argument("--max-frames", type=int_in(1, 3750), default=25, help="frame limit (1..3750)")
+    d.add_argument("--max-frames", type=int_in(1, HARD_MAX_FRAMES), default=25,
+                   help=f"frame limit (1..{HARD_MAX_FRAMES})")
     d.add_argument("--out", default="demo.wav", help="audio file to write (default demo.wav)")
     runtime_flags(d)
     d.set_defaults(func=c.cmd_demo)
@@ -160,7 +163,8 @@ def build_parser() -> argparse.ArgumentParser:
     sy.add_argument("--voice", help="reference voice audio file (encoded with the bundle's codec)")
     sy.add_argument("--voice-codes", help="reference voice codes .npy [frames, K >= 16]")
     sampling_flags(sy)
-    sy.add_argument("--max-frames", type=any_int, help="frame limit (default: 60 + 10 per text token, at most 3750)")
+    sy.add_argument("--max-frames", type=any_int,
+                    help=f"frame limit (default: 60 + 10 per text token, at most {HARD_MAX_FRAMES})")
     limit_flags(sy)
     sy.add_argument("--codes-out", help="also write the codes .npy [frames, 16] int64")
     runtime_flags(sy)
@@ -171,9 +175,10 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument("script", help="JSON script (see the README)")
     rp.add_argument("--out-dir", required=True, help="directory for turn{i}_codes.npy and turn{i}.wav")
     sampling_flags(rp)
-    rp.add_argument("--max-frames", type=any_int, help="frame limit per turn (1..3750)")
-    rp.add_argument("--max-context-rows", type=int_in(128, 1 << 17), default=8192,
-                    help="context limit of the session, in rows (default 8192)")
+    rp.add_argument("--max-frames", type=any_int, help=f"frame limit per turn (1..{HARD_MAX_FRAMES})")
+    rp.add_argument("--max-context-rows", type=int_in(128, MAX_CONTEXT_ROWS), default=DEFAULT_MAX_CONTEXT_ROWS,
+                    help=f"context limit of the session, in rows (default {DEFAULT_MAX_CONTEXT_ROWS}; mossrt serve's "
+                         "streams default to 4096)")
     limit_flags(rp)
     runtime_flags(rp)
     rp.set_defaults(func=c.cmd_replay)
@@ -206,8 +211,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     from .serve import add_serve_parser
 
-    add_serve_parser(sub, runtime_flags, int_in, finite_float)
-    cuda_graphs_flag(sub.choices["serve"])
+    add_serve_parser(sub)
     from .localai_cmd import add_localai_parser
 
     add_localai_parser(sub, runtime_flags, int_in)

@@ -6,40 +6,34 @@ from __future__ import annotations
 import logging
 import signal
 import socket
+import typing
 from pathlib import Path
 
 from .commands import CliError, ensure_demo_bundle, progress
 
-FLAG_FIELDS = ("bundle", "host", "port", "voices_dir", "max_streams", "device", "threads", "max_input_chars",
-               "max_context_rows", "queue_timeout", "drain_timeout", "verify", "log_format", "log_level",
-               "max_voice_seconds")
-# bounds against hostile clients (issue 14): their own block so parallel additions merge mechanically
-BOUND_FLAG_FIELDS = ("ws_text_timeout", "max_voices", "max_body_bytes", "header_timeout", "body_timeout",
-                     "stall_timeout", "shutdown_delay")
 SEND_BUFFER_BYTES = 128 * 1024   # per connection (Linux doubles it): about 5 s of 24 kHz pcm
 FLUSH_SECONDS = 3     # after the drain: responses already generated finish sending, then the process exits
-# the GPU step loop (issue 16)
-GPU_FLAG_FIELDS = ("cuda_graphs", "warm_buckets")
 
 
 def load_settings(args):
+    """The settings from the flags given (each named like its setting), then ``MOSSRT_*`` variables."""
     from pydantic import ValidationError
 
-    from app.settings import ServerSettings
+    from app.settings import ServerSettings, env_name, flag_name, is_flag
 
-    given = {k: getattr(args, k) for k in FLAG_FIELDS + BOUND_FLAG_FIELDS + GPU_FLAG_FIELDS
-             if getattr(args, k, None) is not None}
-    if getattr(args, "api_key", None):
-        given["api_keys"] = args.api_key
-    if getattr(args, "cors_origin", None):
-        given["cors_origins"] = args.cors_origin
+    given = {name: getattr(args, name) for name, info in ServerSettings.model_fields.items()
+             if is_flag(info) and getattr(args, name, None) not in (None, [])}
     try:
         return ServerSettings(**given)
     except ValidationError as e:
-        problems = "; ".join(f"{'.'.join(map(str, err['loc'])) or 'settings'} (flag --"
-                             f"{str(err['loc'][0]).replace('_', '-') if err['loc'] else '?'} or MOSSRT_"
-                             f"{str(err['loc'][0]).upper() if err['loc'] else '?'}): {err['msg']}"
-                             for err in e.errors()[:5])
+        def where(err) -> str:
+            name = str(err["loc"][0]) if err["loc"] else ""
+            info = ServerSettings.model_fields.get(name)
+            if info is None:
+                return name or "settings"
+            return f"{name} ({flag_name(name)} or {env_name(name)})" if is_flag(info) else f"{name} ({env_name(name)})"
+
+        problems = "; ".join(f"{where(err)}: {err['msg']}" for err in e.errors()[:5])
         raise CliError(f"invalid settings: {problems}") from None
 
 
@@ -165,46 +159,36 @@ def draining_server(config, service):
     return _Server(config)
 
 
-def add_serve_parser(sub, runtime_flags, int_in, finite_float) -> None:
-    s = sub.add_parser("serve", help="the HTTP/WebSocket service (OpenAI /v1/audio/speech, WebSocket, voices, metrics)")
-    s.add_argument("--bundle", help="bundle directory (MOSSRT_BUNDLE; default: the built-in demo bundle)")
-    s.add_argument("--host", help="bind address (MOSSRT_HOST; default 127.0.0.1, containers use 0.0.0.0)")
-    s.add_argument("--port", type=int_in(1, 65535), help="bind port (MOSSRT_PORT; default 8000)")
-    s.add_argument("--api-key", action="append", help="accepted Bearer key, repeatable (MOSSRT_API_KEYS, comma-"
-                                                      "separated); none = no authentication")
-    s.add_argument("--voices-dir", help="where registered voices are stored (MOSSRT_VOICES_DIR)")
-    s.add_argument("--max-streams", type=int_in(1, 1024), help="concurrent streams (MOSSRT_MAX_STREAMS; default: "
-                                                               "what half the available memory holds)")
-    s.add_argument("--max-context-rows", type=int_in(256, 1 << 17),
-                   help="context rows per stream, i.e. its KV slot (MOSSRT_MAX_CONTEXT_ROWS; default 4096)")
-    s.add_argument("--max-input-chars", type=int_in(1, 100_000), help="longest input (MOSSRT_MAX_INPUT_CHARS; 4096)")
-    s.add_argument("--max-voice-seconds", type=finite_float, help="longest voice sample (MOSSRT_MAX_VOICE_SECONDS; 30)")
-    s.add_argument("--queue-timeout", type=finite_float, help="seconds a request waits for a free stream before 429 "
-                                                              "(MOSSRT_QUEUE_TIMEOUT; 10)")
-    s.add_argument("--drain-timeout", type=finite_float, help="seconds running streams may finish after SIGTERM "
-                                                              "(MOSSRT_DRAIN_TIMEOUT; 60)")
-    s.add_argument("--max-body-bytes", type=int_in(1024, 1 << 30), help="largest JSON request body, refused "
-                                                                     "before parsing (MOSSRT_MAX_BODY_BYTES; 1 MiB)")
-    s.add_argument("--header-timeout", type=finite_float, help="seconds a connection may take to send a request's "
-                                                               "headers (MOSSRT_HEADER_TIMEOUT; 10)")
-    s.add_argument("--body-timeout", type=finite_float, help="seconds a request's body may take to arrive "
-                                                             "(MOSSRT_BODY_TIMEOUT; 60)")
-    s.add_argument("--stall-timeout", type=finite_float, help="seconds a stream waits for its client to take audio "
-                                                              "before it ends (MOSSRT_STALL_TIMEOUT; 30)")
-    s.add_argument("--shutdown-delay", type=finite_float, help="seconds after SIGTERM that /ready answers 503 with "
-                                                               "the listener open (MOSSRT_SHUTDOWN_DELAY; 0)")
-    s.add_argument("--cors-origin", action="append", help="allowed browser origin, repeatable (MOSSRT_CORS_ORIGINS)")
-    s.add_argument("--verify", choices=["quick", "full", "off"], help="bundle check at start: sizes (quick, default) "
-                                                                      "or every sha256 (full) (MOSSRT_VERIFY)")
-    s.add_argument("--log-format", choices=["text", "json"], help="log lines as text or JSON (MOSSRT_LOG_FORMAT)")
-    s.add_argument("--log-level", choices=["debug", "info", "warning", "error"], help="(MOSSRT_LOG_LEVEL; info)")
-    s.add_argument("--ws-text-timeout", type=finite_float,
-                   help="seconds a WebSocket turn waits for more text (nothing left to speak) before its text is "
-                        "ended for it (MOSSRT_WS_TEXT_TIMEOUT; 30)")
-    s.add_argument("--max-voices", type=int_in(1, 1_000_000),
-                   help="registered voices kept at most; POST /v1/audio/voices is a 409 beyond (MOSSRT_MAX_VOICES; 1000)")
-    runtime_flags(s)
-    for action in s._actions:                     # device/threads default from the settings, not argparse
-        if action.dest in ("device", "threads"):
-            action.default = None
+def add_serve_parser(sub) -> None:
+    """``mossrt serve``'s flags: one per setting that takes one (app.settings), with its bounds and help."""
+    from app.settings import ServerSettings, bounds, choices, env_name, flag_name, is_flag
+
+    from .argtypes import finite_float, int_in
+
+    s = sub.add_parser("serve", help="the HTTP/WebSocket service (OpenAI /v1/audio/speech, WebSockets, the "
+                                     "ElevenLabs-compatible API, voices, metrics)",
+                       description="Every flag is also a MOSSRT_* environment variable (flags win); some settings "
+                                   "are variables only (see docs/operations.md).")
+    for name, info in ServerSettings.model_fields.items():
+        if not is_flag(info):
+            continue
+        kw: dict = {"dest": name, "default": None}
+        args = [a for a in typing.get_args(info.annotation) if a is not type(None)] or [info.annotation]
+        kind = args[0]
+        values = choices(info)
+        if values:
+            kw["choices"] = list(values)
+        elif typing.get_origin(kind) is list:
+            kw["action"] = "append"
+        elif kind is int:
+            lo, hi, _ = bounds(info)
+            kw["type"] = int_in(lo if lo is not None else -(1 << 62), hi if hi is not None else 1 << 62)
+        elif kind is float:
+            kw["type"] = finite_float
+        metavar = (info.json_schema_extra or {}).get("metavar")
+        if metavar:
+            kw["metavar"] = metavar
+        default = info.default if info.default not in (None, []) else "unset"
+        kw["help"] = f"{info.description} ({env_name(name)}; default {default})"
+        s.add_argument(flag_name(name), **kw)
     s.set_defaults(func=cmd_serve)

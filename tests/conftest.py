@@ -47,6 +47,15 @@ def tts_tolerance(ref: np.ndarray) -> float:
 
 
 @pytest.fixture(scope="session")
+def demo_bundle_dir(tmp_path_factory) -> Path:
+    """The built-in demo bundle (tiny random weights that never end a turn early: a long text is a long
+    stream), for the service's bounds tests."""
+    from export.demo import build_demo_bundle
+
+    return build_demo_bundle(tmp_path_factory.mktemp("demo_bundle"))
+
+
+@pytest.fixture(scope="session")
 def codec_bundle_dir(tmp_path_factory) -> Path:
     from export.bundle import BundleWriter
     from export.codec_export import export_codec

@@ -8,6 +8,7 @@ import os
 import re
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import time
@@ -16,6 +17,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 import soundfile as sf
+from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import TEST_DEVICE
 
@@ -174,3 +176,114 @@ async def native_ws_turns(server: "Server", turns: list[list[str]], **session: o
                     break
             out.append(b"".join(audio))
     return out
+
+
+class Backend(Process):
+    """``mossrt localai`` on a free loopback port, with a channel and stub to it; ready once it listens."""
+
+    stop_timeout = 30
+
+    def __init__(self, log_path: Path, *flags: str, env: dict | None = None):
+        import grpc
+
+        from app.localai import backend_pb2_grpc as pb_grpc
+
+        self.port = free_port()
+        self.addr = f"127.0.0.1:{self.port}"
+        super().__init__([sys.executable, "-m", "mossrt.cli", "localai", "--addr", self.addr,
+                          "--device", TEST_DEVICE, *flags], log_path, env)
+        self.channel = grpc.insecure_channel(self.addr)
+        self.stub = pb_grpc.BackendStub(self.channel)
+
+    def wait_ready(self, timeout: float = 60) -> "Backend":
+        import grpc
+
+        try:
+            grpc.channel_ready_future(self.channel).result(timeout=timeout)
+        except grpc.FutureTimeoutError:
+            raise RuntimeError(f"backend not listening after {timeout} s (exit {self.proc.poll()}):\n{self.log()}")
+        return self
+
+    def stop(self, timeout: float | None = None) -> int:
+        self.channel.close()
+        return super().stop(timeout)
+
+
+# ---------------------------------------------------------------------------------------------- metrics, sockets
+def metric(server: "Server", name: str, **labels) -> float:
+    """A sample of the server's /metrics (0 when absent)."""
+    for fam in text_string_to_metric_families(httpx.get(server.base + "/metrics", timeout=10).text):
+        for sample in fam.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                return sample.value
+    return 0.0
+
+
+def requests_counted(server: "Server") -> dict:
+    """Every ``mossrt_requests_total`` sample: (endpoint, status) → count."""
+    for fam in text_string_to_metric_families(httpx.get(server.base + "/metrics", timeout=10).text):
+        if fam.name == "mossrt_requests":
+            return {(x.labels.get("endpoint"), x.labels.get("status")): x.value for x in fam.samples
+                    if x.name == "mossrt_requests_total"}
+    return {}
+
+
+def wait_for(predicate, timeout: float, what: str, interval: float = 0.1):
+    """Poll ``predicate`` until it is truthy (its value) or ``timeout`` passes (AssertionError naming ``what``)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"not within {timeout} s: {what}")
+
+
+def raw_request(server: "Server", body: bytes, path: str = "/v1/audio/speech", rcvbuf: int | None = None,
+                headers: dict | None = None) -> socket.socket:
+    """A POST on a raw socket (optionally with a small receive buffer), headers and body sent, nothing read."""
+    sock = socket.socket()
+    if rcvbuf:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+    sock.settimeout(30)
+    sock.connect(("127.0.0.1", server.port))
+    head = {"Host": f"127.0.0.1:{server.port}", "Content-Type": "application/json",
+            "Content-Length": str(len(body)), **(headers or {})}
+    sock.sendall(f"POST {path} HTTP/1.1\r\n".encode() + b"".join(f"{k}: {v}\r\n".encode() for k, v in head.items())
+                 + b"\r\n" + body)
+    return sock
+
+
+def reset(sock: socket.socket) -> None:
+    """Close with SO_LINGER 0: the peer gets a RST, not a FIN."""
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    sock.close()
+
+
+def read_answer(sock: socket.socket) -> bytes:
+    """A whole (non-streamed) HTTP response, or what came before the server closed."""
+    data = b""
+    while True:
+        head, sep, rest = data.partition(b"\r\n\r\n")
+        if sep:
+            length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                           if line.lower().startswith(b"content-length:")), 0)
+            if len(rest) >= length:
+                return data
+        try:
+            piece = sock.recv(65536)
+        except (ConnectionResetError, TimeoutError):
+            return data
+        if not piece:
+            return data
+        data += piece
+
+
+def status_of(answer: bytes) -> int:
+    return int(answer.split(b" ", 2)[1]) if answer.startswith(b"HTTP/1.1 ") else 0
+
+
+def body_of(answer: bytes) -> dict:
+    import json
+
+    return json.loads(answer.split(b"\r\n\r\n", 1)[1])

@@ -127,6 +127,48 @@ def test_alignment_follows_what_the_model_read(server, model):
     assert read == TEXT and fed == len(ids)
 
 
+def test_alignment_covers_the_characters_as_sent(server):
+    """Decomposed accents, combining marks and Hangul jamo (which NFC composes): the alignment gives every
+    character the client sent, once, in order, not the composed ones the tokenizer reads."""
+    import websockets
+
+    text = "Cafe\u0301 na\u0308ive \u1100\u1161\u11a8 ok, and e\u0301 again."
+
+    async def run():
+        async with websockets.connect(multi(server), max_size=None) as w:
+            for piece in (text[:4], text[4:9], text[9:]):     # a cut inside "e\u0301" and inside the jamo too
+                await w.send(json.dumps({"text": piece, "context_id": "n"}))
+            await w.send(json.dumps({"context_id": "n", "flush": True}))
+            await w.send(json.dumps({"context_id": "n", "close_context": True}))
+            return await context_messages(w, "n")
+
+    chars = [c for m in asyncio.run(run())[:-1] if m["alignment"] for c in m["alignment"]["chars"]]
+    assert "".join(chars) == text and len(chars) == len(text)
+
+
+def test_refused_text_opens_nothing_and_is_never_aligned(server):
+    """Text that is not valid Unicode (a lone surrogate) is refused with an error and goes nowhere: it opens
+    no turn, reaches no alignment and gets no audio; the socket goes on with the next text."""
+    import websockets
+
+    async def run():
+        async with websockets.connect(multi(server), max_size=None) as w:
+            await w.send('{"text": "hello \\ud800 there", "context_id": "bad"}')
+            await w.send(json.dumps({"text": "Fine now.", "context_id": "good"}))
+            await w.send(json.dumps({"context_id": "good", "flush": True}))
+            await w.send(json.dumps({"context_id": "good", "close_context": True}))
+            seen = []
+            while not (seen and seen[-1].get("contextId") == "good" and seen[-1].get("isFinal")):
+                seen.append(await recv_json(w))
+            return seen
+
+    seen = asyncio.run(run())
+    bad = [m for m in seen if m.get("contextId") == "bad"]
+    assert [m.get("error") for m in bad] == ["invalid_value"], bad           # its error, and nothing else
+    chars = "".join(c for m in seen if m.get("alignment") for c in m["alignment"]["chars"])
+    assert chars == "Fine now." and "\ud800" not in chars
+
+
 @pytest.mark.parametrize("ended", [False, True])
 def test_barge_in_stops_within_a_step_and_the_socket_goes_on(server, ended):
     """close_context before the text ended (or a second one after a normal end) cancels: the isFinal

@@ -21,37 +21,12 @@ import soundfile as sf
 from app.localai import backend_pb2 as pb
 from app.localai import backend_pb2_grpc as pb_grpc
 from conftest import GOLDEN, TEST_DEVICE, golden
-from service_helpers import LONG_TEXT, PCM_TOLERANCE, TEXT, Process, free_port, pcm16, synth_reference
+from service_helpers import LONG_TEXT, PCM_TOLERANCE, TEXT, Backend, pcm16, synth_reference
 
 RPC_TIMEOUT = 60
 # LocalAI's backend/backend.proto at the commit the spec names (ecosystem.md: git blob 7be3d5a4)
 UPSTREAM_PROTO_SHA256 = "6cd3c2259e329bbd45e6faf638abb745e4cdbfc7973a928ce9d42eb78eb7e24c"
 TOKEN = "test-token-0123456789"
-
-
-class Backend(Process):
-    """``mossrt localai`` on a free loopback port, with a channel and stub to it; ready once it listens."""
-
-    stop_timeout = 30
-
-    def __init__(self, log_path: Path, *flags: str, env: dict | None = None):
-        self.port = free_port()
-        self.addr = f"127.0.0.1:{self.port}"
-        super().__init__([sys.executable, "-m", "mossrt.cli", "localai", "--addr", self.addr,
-                          "--device", TEST_DEVICE, *flags], log_path, env)
-        self.channel = grpc.insecure_channel(self.addr)
-        self.stub = pb_grpc.BackendStub(self.channel)
-
-    def wait_ready(self, timeout: float = 60) -> "Backend":
-        try:
-            grpc.channel_ready_future(self.channel).result(timeout=timeout)
-        except grpc.FutureTimeoutError:
-            raise RuntimeError(f"backend not listening after {timeout} s (exit {self.proc.poll()}):\n{self.log()}")
-        return self
-
-    def stop(self, timeout: float | None = None) -> int:
-        self.channel.close()
-        return super().stop(timeout)
 
 
 def rpc_error(call, *args, **kwargs) -> grpc.RpcError:
@@ -154,7 +129,8 @@ def test_load_model(backend, full_bundle_dir, tmp_path):
 
 
 def test_tts_writes_a_24khz_mono_16bit_wav(loaded, backend, tmp_path):
-    dst = tmp_path / "audio" / "tts-1.wav"          # LocalAI's generated-content folder may not exist yet
+    (tmp_path / "audio").mkdir()                    # LocalAI's generated-content folder: LocalAI creates it
+    dst = tmp_path / "audio" / "tts-1.wav"
     r = backend.stub.TTS(pb.TTSRequest(text=TEXT, dst=str(dst), voice="", language="en",
                                        instructions="speak slowly", params={"greedy": "true", "ref_text": "x"}),
                          timeout=RPC_TIMEOUT)
@@ -216,6 +192,42 @@ def test_bad_requests_are_invalid_argument(loaded, backend, tmp_path, fields, wo
         err = rpc_error(call, req)
         assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and words in err.details(), err.details()
     assert not (tmp_path / "bad.wav").exists()
+
+
+def test_dst_is_a_new_file_in_an_output_folder_and_refusals_look_alike(loaded, backend, tmp_path, full_bundle_dir):
+    """``TTS`` never creates a folder, never replaces a file (a symlink included), never writes inside the
+    model, bundle, voices or reference folders, and stays inside ``output_dir`` when that is set; every
+    refused path gets the same message (the path aside), so ``dst`` cannot probe the file system."""
+    existing = tmp_path / "existing.wav"
+    existing.write_bytes(b"keep me")
+    (tmp_path / "dangling.wav").symlink_to(tmp_path / "nowhere.wav")
+    backend.voices_dir.mkdir(parents=True, exist_ok=True)
+    refused = [tmp_path / "no" / "such" / "dir" / "x.wav", existing, tmp_path / "dangling.wav", tmp_path,
+               backend.voices_dir / "new.wav", full_bundle_dir / "new.wav", "/nonexistent/x.wav", "/etc/x.wav"]
+    messages = set()
+    for dst in refused:
+        err = rpc_error(backend.stub.TTS, pb.TTSRequest(text="Hello.", dst=str(dst)))
+        assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, (dst, err.details())
+        messages.add(err.details().replace(repr(str(dst)), "DST"))
+    assert len(messages) == 1, messages
+    assert existing.read_bytes() == b"keep me" and not (tmp_path / "no").exists()
+    assert not (tmp_path / "nowhere.wav").exists() and not (backend.voices_dir / "new.wav").exists()
+    # output_dir confines: a new file there is written, one elsewhere is refused alike
+    out = tmp_path / "generated"
+    out.mkdir()
+    backend.stub.Free(pb.HealthMessage(), timeout=RPC_TIMEOUT)           # options apply to a fresh load
+    r = backend.stub.LoadModel(pb.ModelOptions(Model=str(full_bundle_dir), Options=[
+        "max_streams:1", "queue_timeout:3", f"voices_dir:{backend.voices_dir}", f"output_dir:{out}"]),
+        timeout=RPC_TIMEOUT)
+    assert r.success, r.message
+    try:
+        elsewhere = rpc_error(backend.stub.TTS, pb.TTSRequest(text="Hello.", dst=str(tmp_path / "free.wav")))
+        assert elsewhere.details().replace(repr(str(tmp_path / "free.wav")), "DST") in messages
+        ok = backend.stub.TTS(pb.TTSRequest(text="Hello.", dst=str(out / "a.wav")),
+                              timeout=RPC_TIMEOUT)
+        assert ok.success and sf.info(out / "a.wav").samplerate == 24000
+    finally:
+        backend.stub.Free(pb.HealthMessage(), timeout=RPC_TIMEOUT)        # the next tests load without it
 
 
 def test_tts_without_dst_and_other_model_identity(loaded, backend):

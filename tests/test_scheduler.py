@@ -408,3 +408,29 @@ def test_a_stream_waiting_for_text_leaves_the_loop_asleep(model):
         assert all(f.audio is not None for f in frames if f.needs_audio)
     finally:
         scheduler.stop()
+
+
+def test_a_failed_tick_fails_each_stream_with_an_error_then_its_turn_end(model, monkeypatch):
+    """Every way a stream fails (a tick that raises, here) is the one path: its consumer gets the error, then
+    its turn's end (finish reason ``error``), so a consumer waiting for either never hangs; the slot is
+    released as usual."""
+    from engine.scheduler import Scheduler, StreamError, TurnEnd
+    from engine.stream import FinishReason
+
+    scheduler = Scheduler(model, slots=1)
+    try:
+        h = scheduler.open_stream(params=model.default_sampling(greedy=True))
+        h.begin_turn(wait=30)
+        real = scheduler.runner.tick
+        monkeypatch.setattr(scheduler.runner, "tick", lambda: (_ for _ in ()).throw(RuntimeError("a bug")))
+        h.push_text(TEXT_A)
+        h.end_text()
+        first = h.get(timeout=30)
+        second = h.get(timeout=30)
+        monkeypatch.setattr(scheduler.runner, "tick", real)
+        assert isinstance(first, StreamError) and "a bug" in str(first.error)
+        assert isinstance(second, TurnEnd) and second.stats.finish_reason is FinishReason.ERROR
+        h.close()
+        assert scheduler.stats().active == 0
+    finally:
+        scheduler.stop()

@@ -21,9 +21,9 @@ import time
 import httpx
 import numpy as np
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
-from service_helpers import LONG_TEXT, PCM_TOLERANCE, TEXT, Server, pcm16
+from service_helpers import (LONG_TEXT, PCM_TOLERANCE, TEXT, Server, body_of, metric, pcm16, raw_request, read_answer,
+                             requests_counted, reset, status_of, wait_for)
 
 SLOT_BOUND_S = 10          # a freed slot shows in /metrics within this (generous: the machine is shared)
 KEY = "secret-key-1"
@@ -37,54 +37,6 @@ STREAMING_ROUTES = {
 
 
 # ---------------------------------------------------------------------------------------------- helpers
-def metric(server: Server, name: str, **labels) -> float:
-    for fam in text_string_to_metric_families(httpx.get(server.base + "/metrics", timeout=10).text):
-        for sample in fam.samples:
-            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
-                return sample.value
-    return 0.0
-
-
-def requests_counted(server: Server) -> dict:
-    """Every ``mossrt_requests_total`` sample: (endpoint, status) → count."""
-    for fam in text_string_to_metric_families(httpx.get(server.base + "/metrics", timeout=10).text):
-        if fam.name == "mossrt_requests":
-            return {(x.labels.get("endpoint"), x.labels.get("status")): x.value for x in fam.samples
-                    if x.name == "mossrt_requests_total"}
-    return {}
-
-
-def wait_for(predicate, timeout: float, what: str, interval: float = 0.1):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval)
-    raise AssertionError(f"not within {timeout} s: {what}")
-
-
-def raw_request(server: Server, body: bytes, path: str = "/v1/audio/speech", rcvbuf: int | None = None,
-                headers: dict | None = None) -> socket.socket:
-    """A POST on a raw socket (optionally with a small receive buffer), headers and body sent, nothing read."""
-    sock = socket.socket()
-    if rcvbuf:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
-    sock.settimeout(30)
-    sock.connect(("127.0.0.1", server.port))
-    head = {"Host": f"127.0.0.1:{server.port}", "Content-Type": "application/json",
-            "Content-Length": str(len(body)), **(headers or {})}
-    sock.sendall(f"POST {path} HTTP/1.1\r\n".encode() + b"".join(f"{k}: {v}\r\n".encode() for k, v in head.items())
-                 + b"\r\n" + body)
-    return sock
-
-
-def reset(sock: socket.socket) -> None:
-    """Close with SO_LINGER 0: the peer gets a RST, not a FIN."""
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-    sock.close()
-
-
 def holding_stream(server: Server, rcvbuf: int = 4096, route: str = "openai", attempts: int = 5) -> socket.socket:
     """A long pcm stream whose client reads nothing: once the socket buffers are full the server is blocked
     in ``send`` and generation pauses. Returns when the stream holds its slot and has stopped generating.
@@ -173,33 +125,6 @@ def stream_body(server: Server, headers: dict, total: int, chunk: int = 1 << 20)
     finally:
         sock.close()
     return sent, answer
-
-
-def read_answer(sock: socket.socket) -> bytes:
-    """A whole (non-streamed) HTTP response, or what came before the server closed."""
-    data = b""
-    while True:
-        head, sep, rest = data.partition(b"\r\n\r\n")
-        if sep:
-            length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
-                           if line.lower().startswith(b"content-length:")), 0)
-            if len(rest) >= length:
-                return data
-        try:
-            piece = sock.recv(65536)
-        except (ConnectionResetError, TimeoutError):
-            return data
-        if not piece:
-            return data
-        data += piece
-
-
-def status_of(answer: bytes) -> int:
-    return int(answer.split(b" ", 2)[1]) if answer.startswith(b"HTTP/1.1 ") else 0
-
-
-def body_of(answer: bytes) -> dict:
-    return json.loads(answer.split(b"\r\n\r\n", 1)[1])
 
 
 # ---------------------------------------------------------------------------------------------- item 1

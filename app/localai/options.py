@@ -117,6 +117,9 @@ MODEL_OPTIONS: dict[str, ModelOption] = {
     "reference_dir": ModelOption("reference_dir", parse_text,
                                  "one more directory whose audio files a request's voice may name, such as the "
                                  "folder of LocalAI's voice profiles (besides the models and voices directories)"),
+    "output_dir": ModelOption("output_dir", parse_text,
+                              "the folder TTS may write its dst files in (default: any existing folder but the "
+                              "model, voices and reference folders; a dst is always a new file)"),
     # exporting a Hugging Face checkpoint (parameters.model names a checkpoint instead of a bundle)
     "codec": ModelOption("codec", parse_text,
                          "MOSS-Audio-Tokenizer checkpoint directory or hub id (required to export a checkpoint)"),
@@ -152,6 +155,7 @@ class LoadConfig:
     load_timeout: float = 1800.0
     default_voice: str | None = None
     reference_dir: str | None = None
+    output_dir: str | None = None
     codec: str | None = None
     tokenizer: str | None = None
     dtype: str = "fp32"

@@ -33,7 +33,6 @@ import hmac
 import json
 import logging
 import os
-import queue
 import shutil
 import signal
 import threading
@@ -48,14 +47,16 @@ import numpy as np
 
 from engine.bundle import Bundle
 from engine.errors import EngineError, InputError
-from engine.generate import utterance_ids
-from engine.scheduler import FrameEvent, QueueSink, StreamError, TurnEnd
+from engine.handles import QueueSink
 from engine.stream import FinishReason
 from engine.voices import read_reference_audio, resolve_voice
 
 from ..audio_formats import StreamEncoder
-from ..errors import ApiError, from_engine
+from ..errors import ApiError, from_engine, grpc_status
+from ..metrics import Metrics, StreamMeter
 from ..service import DEFAULT_VOICE, OPENAI_VOICES, TTSService
+from ..session.pump import Audio, Ended, Failed, TurnAudio, blocking_pump
+from ..session.utterance import Utterance, prepare_utterance
 from ..settings import ServerSettings
 from . import backend_pb2 as pb
 from . import backend_pb2_grpc as pb_grpc
@@ -93,20 +94,15 @@ class _LoadFailed(Exception):
     """LoadModel answers ``Result(success=False, message=...)``."""
 
 
-_HTTP_TO_GRPC = {400: grpc.StatusCode.INVALID_ARGUMENT, 401: grpc.StatusCode.UNAUTHENTICATED,
-                 404: grpc.StatusCode.NOT_FOUND, 413: grpc.StatusCode.INVALID_ARGUMENT,
-                 429: grpc.StatusCode.RESOURCE_EXHAUSTED, 503: grpc.StatusCode.UNAVAILABLE}
-
-
 def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
-    """The gRPC status of an exception raised while serving a request (typed errors mapped once)."""
+    """The gRPC status of an exception raised while serving a request: the catalogue's row (app.errors)."""
     if isinstance(exc, _Abort):
         return exc.code, exc.message
     if isinstance(exc, OptionError):
         return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
-    if isinstance(exc, (ApiError, EngineError)):        # the HTTP mapping, translated
+    if isinstance(exc, (ApiError, EngineError)):
         err = from_engine(exc)
-        return _HTTP_TO_GRPC.get(err.status, grpc.StatusCode.INTERNAL), err.message
+        return grpc.StatusCode[grpc_status(err)], err.message
     log.error("unexpected error", exc_info=exc)
     return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}"
 
@@ -244,11 +240,7 @@ class _Loaded:
 
 @dataclass(frozen=True)
 class _Job:
-    ids: list[int]
-    voice: np.ndarray | None
-    params: object              # SamplingParams
-    seed: int | None
-    max_frames: int | None
+    utterance: Utterance
     speed: float
     sample_rate: int
 
@@ -261,6 +253,7 @@ class MossTTSBackend(pb_grpc.BackendServicer):
     def __init__(self, defaults: ServerDefaults | None = None, exporter: Exporter | None = None,
                  demo_bundle: Callable[[], Path] | None = None):
         self.defaults = defaults or ServerDefaults()
+        self.metrics = Metrics()                 # the streams' meters (this backend serves no /metrics)
         self.exporter = exporter
         self.demo_bundle = demo_bundle
         self._lock = threading.RLock()           # LoadModel / Free / preload, one at a time
@@ -478,41 +471,28 @@ class MossTTSBackend(pb_grpc.BackendServicer):
     def TTS(self, request, context):
         loaded = self._require_loaded(request)
         job = self._prepare(loaded, request)
-        dst = self._check_dst(request.dst)
-        encoder = StreamEncoder("pcm", job.sample_rate, job.speed)
-        pcm = bytearray()
-        frames = 0
-        for audio in self._frames(loaded, job, context, "TTS"):
-            frames += 1
-            pcm += encoder.write(audio)
-        pcm += encoder.close()
-        samples = np.frombuffer(bytes(pcm), dtype="<i2")
+        dst = self._check_dst(loaded, request.dst)
+        pcm = b"".join(self._pcm(loaded, job, context, "TTS"))
+        samples = np.frombuffer(pcm, dtype="<i2")
         self._write_wav(dst, samples, job.sample_rate)
-        return pb.Result(success=True, message=f"{frames} frames, {samples.size / job.sample_rate:.2f} s -> {dst}")
+        return pb.Result(success=True, message=f"{samples.size / job.sample_rate:.2f} s -> {dst}")
 
     @_streaming
     def TTSStream(self, request, context):
         loaded = self._require_loaded(request)
         job = self._prepare(loaded, request)
-        encoder = StreamEncoder("pcm", job.sample_rate, job.speed)
-        frames = self._frames(loaded, job, context, "TTSStream")
+        pieces = self._pcm(loaded, job, context, "TTSStream")
         try:
-            first = next(frames, None)           # the turn is admitted (or failed) before any reply is sent
+            first = next(pieces, None)           # the turn is admitted (or failed) before any reply is sent
             yield pb.Reply(message=json.dumps({"sample_rate": job.sample_rate}).encode())
-            if first is None:
-                return
-            data = encoder.write(first)
-            if data:
-                yield pb.Reply(audio=data)
-            for audio in frames:
-                data = encoder.write(audio)
+            for data in ([first] if first is not None else []):
                 if data:
                     yield pb.Reply(audio=data)
-            tail = encoder.close()
-            if tail:
-                yield pb.Reply(audio=tail)
+            for data in pieces:
+                if data:
+                    yield pb.Reply(audio=data)
         finally:
-            frames.close()
+            pieces.close()
 
     # ------------------------------------------------------------------ request plumbing
     def _require_loaded(self, request) -> _Loaded:
@@ -534,22 +514,12 @@ class MossTTSBackend(pb_grpc.BackendServicer):
 
     def _prepare(self, loaded: _Loaded, request) -> _Job:
         service = loaded.service
-        model = service.model
         p: TTSParams = parse_tts_params(request.params)
         if p.ignored:
             log.debug("ignoring params %s", ", ".join(p.ignored))
-        try:
-            max_frames = service.limits.check_max_frames(p.max_frames)
-        except InputError as e:
-            raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, f"params['max_frames']: {e}") from None
-        params = service.sampling(p.sampling)
         voice = self._voice(loaded, request.voice)
-        try:
-            ids = utterance_ids(model, service.limits, voice, max_frames, text=request.text)
-        except InputError as e:
-            raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, f"text: {e}") from None
-        return _Job(ids=ids, voice=voice, params=params, seed=p.sampling.seed, max_frames=max_frames, speed=p.speed,
-                    sample_rate=model.codec.sample_rate)
+        utterance = prepare_utterance(service, request.text, voice, p.sampling, p.max_frames, param="text")
+        return _Job(utterance, speed=p.speed, sample_rate=service.model.codec.sample_rate)
 
     def _voice(self, loaded: _Loaded, requested: str) -> np.ndarray | None:
         """``""`` -> the default voice (option ``voice``, else ModelOptions.AudioPath, else the model's own);
@@ -634,29 +604,32 @@ class MossTTSBackend(pb_grpc.BackendServicer):
                 self._voice_cache.popitem(last=False)
         return codes
 
-    def _frames(self, loaded: _Loaded, job: _Job, context, rpc: str) -> Iterator[np.ndarray]:
-        """Each generated frame's audio (float32, 1920 samples) as the scheduler delivers it.
+    def _pcm(self, loaded: _Loaded, job: _Job, context, rpc: str) -> Iterator[bytes]:
+        """The utterance as s16le PCM (at the job's speed), a piece per frame as the scheduler delivers it, then
+        the encoder's tail.
 
         Cancellation: a callback registered on the RPC cancels the engine's turn and closes the stream the
         moment gRPC sees the client go (cancel, deadline, disconnect), whichever thread this one is in; the
-        loop notices within EVENT_POLL_SECONDS and ends with CANCELLED. The stream is closed however the
+        pump notices within EVENT_POLL_SECONDS and ends with CANCELLED. The stream is closed however the
         loop ends (its KV slot freed at the next step boundary)."""
         service = loaded.service
-        handle = service.open_stream(job.voice, job.params, job.seed, QueueSink())
         gone = threading.Event()          # the client went away
         finished = threading.Event()      # the turn ended normally (or this generator is done)
+        box: list = []                    # the handle, once admitted
 
         def on_rpc_done():
             if not finished.is_set():
                 gone.set()
-                try:
-                    handle.cancel()
-                except EngineError:
-                    pass
-            handle.close()
+                for handle in box:
+                    try:
+                        handle.cancel()
+                    except EngineError:
+                        pass
+                    handle.close()
 
         frames = 0
         t0 = time.monotonic()
+        handle = None
         try:
             if context is not None and not context.add_callback(on_rpc_done):
                 raise _Abort(grpc.StatusCode.CANCELLED, "the client went away")
@@ -664,68 +637,82 @@ class MossTTSBackend(pb_grpc.BackendServicer):
             left = context.time_remaining() if context is not None else None
             if left is not None:
                 wait = max(0.0, min(wait, left))
-            handle.begin_turn(max_frames=job.max_frames, wait=wait)
-            handle.push_token_ids(job.ids)
-            handle.end_text()
-            while True:
-                if gone.is_set() or (context is not None and not context.is_active()):
-                    gone.set()
-                    raise _Abort(grpc.StatusCode.CANCELLED, "cancelled by the client")
-                try:
-                    event = handle.get(timeout=EVENT_POLL_SECONDS)
-                except queue.Empty:
-                    continue
-                if isinstance(event, FrameEvent):
-                    if event.frame.audio is not None:
-                        frames += 1
-                        yield event.frame.audio
-                elif isinstance(event, StreamError):
+            handle = job.utterance.start_blocking(service, QueueSink(), wait)
+            box.append(handle)
+            if gone.is_set():
+                handle.close()
+            meter = StreamMeter(self.metrics, "localai")
+            turn = TurnAudio(meter, encoder=StreamEncoder("pcm", job.sample_rate, job.speed))
+            client_gone = lambda: gone.is_set() or (context is not None and not context.is_active())
+            for out in blocking_pump(handle, turn, client_gone, EVENT_POLL_SECONDS):
+                if isinstance(out, Audio):
+                    frames += 1
+                    yield out.data
+                elif isinstance(out, Failed):
                     if self._loaded is not loaded:
                         raise _Abort(grpc.StatusCode.UNAVAILABLE, "the model was unloaded (Free) during the request")
-                    raise event.error
-                elif isinstance(event, TurnEnd):
-                    if event.stats.finish_reason == FinishReason.CANCELLED or gone.is_set():
+                    raise out.error
+                elif isinstance(out, Ended):
+                    if out.stats.finish_reason == FinishReason.CANCELLED or gone.is_set():
                         gone.set()
                         raise _Abort(grpc.StatusCode.CANCELLED, "cancelled by the client")
                     finished.set()
                     log.info("%s: %d frames (%s) in %.2f s", rpc, frames,
-                             event.stats.finish_reason.value if event.stats.finish_reason else "done",
+                             out.stats.finish_reason.value if out.stats.finish_reason else "done",
                              time.monotonic() - t0)
+                    yield out.tail
                     return
+            gone.set()                                   # the pump returned: the client is gone
+            raise _Abort(grpc.StatusCode.CANCELLED, "cancelled by the client")
         except GeneratorExit:
             gone.set()
             raise
         finally:
             finished.set()
-            handle.close()
+            if handle is not None:
+                handle.close()
             if gone.is_set():
                 log.info("%s: cancelled by the client after %d frames; stream closed", rpc, frames)
 
-    @staticmethod
-    def _check_dst(dst: str) -> Path:
+    def _check_dst(self, loaded: _Loaded, dst: str) -> Path:
+        """Where ``TTS`` may write: a new file (LocalAI names a new one in its generated-content folder, which
+        it has created) in an existing, writable folder, inside ``output_dir`` when that option is set, and
+        never inside the model, voices or reference folders. Every refused path gets the same error, so
+        ``dst`` cannot probe the file system."""
+        refused = _Abort(grpc.StatusCode.INVALID_ARGUMENT, f"dst {dst!r}: not a new file in a writable output "
+                                                           "folder (see the output_dir option)")
         if not dst.strip():
             raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, "dst: the output WAV path is empty")
-        path = Path(dst).expanduser()
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, f"dst {dst!r}: cannot create its folder: "
-                                                           f"{e.strerror or e}") from None
-        if path.is_dir() or not os.access(path.parent, os.W_OK):
-            raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, f"dst {dst!r}: not a writable file path")
-        return path
+            path = Path(dst).expanduser()
+            parent = path.parent.resolve(strict=True)
+            target = parent / path.name
+            if not path.name or path.name in (".", "..") or os.path.lexists(target) or not os.access(parent, os.W_OK):
+                raise refused
+            protected = [loaded.config.model_path, loaded.bundle_dir, loaded.service.voices.dir,
+                         loaded.config.reference_dir]
+            for folder in protected:
+                if folder and parent.is_relative_to(Path(folder).resolve()):
+                    raise refused
+            if loaded.config.output_dir and not parent.is_relative_to(Path(loaded.config.output_dir).resolve()):
+                raise refused
+        except (OSError, RuntimeError, ValueError):
+            raise refused from None
+        return target
 
     @staticmethod
     def _write_wav(dst: Path, samples: np.ndarray, sample_rate: int) -> None:
-        """A 16-bit mono PCM WAV with real sizes, written beside ``dst`` then renamed over it."""
+        """A 16-bit mono PCM WAV with real sizes, created at ``dst`` (never over an existing file)."""
         import soundfile as sf
 
-        tmp = dst.with_name(f".{dst.name}.{os.getpid()}.{threading.get_ident()}.tmp")
         try:
-            sf.write(str(tmp), samples, sample_rate, subtype="PCM_16", format="WAV")
-            os.replace(tmp, dst)
+            with open(dst, "xb") as f:
+                sf.write(f, samples, sample_rate, subtype="PCM_16", format="WAV")
+        except FileExistsError:
+            raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, f"dst {str(dst)!r}: not a new file in a writable output "
+                                                           "folder (see the output_dir option)") from None
         except Exception as e:
-            tmp.unlink(missing_ok=True)
+            dst.unlink(missing_ok=True)
             raise _Abort(grpc.StatusCode.INTERNAL, f"dst {str(dst)!r}: writing the WAV failed: {e}") from None
 
 

@@ -1,13 +1,14 @@
 """ElevenLabs-compatible WebSockets: ``/v1/text-to-speech/{voice_id}/multi-stream-input`` and ``/stream-input``.
 
-A thin adapter onto one scheduler stream per socket, exactly like our own WebSocket: the contexts of a
-socket are consecutive assistant turns of one conversation (the KV context carries over), run one at a
-time in the order their text arrived. A ``flush`` without text ends the context's current turn (everything
-received is spoken; livekit sends one, pipecat sends a bare flush); a flush with text is only a hint (text is
-spoken as it arrives). ``close_context`` after such an end lets the turn finish and then sends ``isFinal``;
-``close_context`` with text not yet ended, or a second one, is a barge-in: the turn is cancelled at the
-next step and the context truncated to the audio that was sent. When the conversation's context is nearly
-full the next turn starts a fresh stream. See the README ("ElevenLabs-compatible API").
+An adapter on the session core (:mod:`app.session`): the contexts of a socket are consecutive assistant turns
+of one conversation (the KV context carries over), run one at a time in the order their text arrived. A
+``flush`` without text ends the context's current turn (everything received is spoken; livekit sends one,
+pipecat sends a bare flush); a flush with text is only a hint (text is spoken as it arrives).
+``close_context`` after such an end lets the turn finish and then sends ``isFinal``; ``close_context`` with
+text not yet ended, or a second one, is a barge-in: the turn is cancelled at the next step and the context
+truncated to the audio that was sent. When the conversation's context is nearly full the next turn starts a
+fresh stream. Every bound — Origin, the key before any other work, stalls, the text clock, inactivity, the
+text buffer (per socket), the number of contexts — is the core's. See docs/api-elevenlabs.md.
 """
 
 from __future__ import annotations
@@ -17,41 +18,33 @@ import base64
 import json
 import logging
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
 from fastapi import APIRouter, WebSocket, WebSocketDisconnect
 from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 
-from engine.errors import ContextLimitError, EngineError, InputError
-from engine.scheduler import AsyncSink, FrameEvent, StreamError, StreamHandle, TurnEnd
+from engine.errors import InputError
 from engine.stream import FinishReason
 
-from ..audio_formats import StreamEncoder
-from ..auth import _known, websocket_key
 from ..elevenlabs.alignment import FRAME_MS, Aligner
 from ..elevenlabs.formats import OutputFormat, parse_output_format
 from ..elevenlabs.protocol import DEFAULT_INACTIVITY_TIMEOUT, ClientMessage, ConnectionParams
-from ..errors import ApiError, from_engine
-from ..metrics import FRAME_SECONDS, StreamMeter
-from ..service import SamplingFields, TTSService
-from .ws import FrameRefused, end_session, json_frame
+from ..errors import ApiError
+from ..metrics import StreamMeter
+from ..service import SamplingFields
+from ..session.conversation import Conversation
+from ..session.pump import Audio, Ended, TurnAudio
+from ..session.wire import SessionEnd, WireSession
 
 log = logging.getLogger("mossrt.elevenlabs")
 router = APIRouter()
 MULTI_PATH = "/v1/text-to-speech/{voice_id}/multi-stream-input"
 SINGLE_PATH = "/v1/text-to-speech/{voice_id}/stream-input"
-CLOSE_POLICY = 1008         # ElevenLabs closes bad sessions (auth, settings, timeout) with a policy violation
-CLOSE_INTERNAL = 1011
 FRESH_CONTEXT_BELOW = 0.25  # start the next turn on a fresh stream when less than this share of rows is left
 SINGLE_CONTEXT = ""
-
-
-class Fatal(Exception):
-    def __init__(self, code: str, message: str, close: int = CLOSE_POLICY):
-        super().__init__(message)
-        self.code, self.message, self.close = code, message, close
+CLOSED_IDS_KEPT = 256       # contexts a socket remembers as closed (text naming one is refused)
 
 
 @dataclass
@@ -64,164 +57,139 @@ class Context:
     cancelled: bool = False
     queued: bool = False
     aligner: Aligner = field(default_factory=Aligner)
-    encoder: StreamEncoder | None = None
     frames_sent: int = 0         # frames of the current turn whose audio was sent
-    meter: StreamMeter | None = None
+
+    @property
+    def pending_chars(self) -> int:
+        return sum(len(t) for t in self.pending)
 
 
 @router.websocket(MULTI_PATH)
 async def multi_stream_input(ws: WebSocket, voice_id: str):
-    await _serve(ws, voice_id, multi=True)
+    await ElevenLabsSession(ws, ws.app.state.service, voice_id, multi=True).serve()
 
 
 @router.websocket(SINGLE_PATH)
 async def stream_input(ws: WebSocket, voice_id: str):
-    await _serve(ws, voice_id, multi=False)
+    await ElevenLabsSession(ws, ws.app.state.service, voice_id, multi=False).serve()
 
 
-async def _serve(ws: WebSocket, voice_id: str, multi: bool) -> None:
-    service: TTSService = ws.app.state.service
-    keys = service.settings.api_keys
-    authorized, subprotocol = websocket_key(ws, keys)
-    authorized = authorized or _known(keys, ws.headers.get("xi-api-key"))
-    await ws.accept(subprotocol=subprotocol)
-    session = ElevenLabsSession(ws, service, voice_id, multi, authorized)
-    await session.run()
+class ElevenLabsSession(WireSession):
+    protocol = "elevenlabs"
 
-
-class ElevenLabsSession:
-    def __init__(self, ws: WebSocket, service: TTSService, voice_id: str, multi: bool, authorized: bool):
-        self.ws, self.service, self.voice_id, self.multi = ws, service, voice_id, multi
-        self.metrics = ws.app.state.metrics
-        self.settings = service.settings
+    def __init__(self, ws: WebSocket, service, voice_id: str, multi: bool):
+        super().__init__(ws, service)
+        self.voice_id, self.multi = voice_id, multi
         self.path = MULTI_PATH if multi else SINGLE_PATH
-        self.authorized = authorized
         self.format: OutputFormat | None = None
-        self.voice = None
-        self.seed: int | None = None
-        self.sync_alignment = True
-        self.timeout = float(DEFAULT_INACTIVITY_TIMEOUT)
-        self.handle: StreamHandle | None = None
+        self.inactivity = float(DEFAULT_INACTIVITY_TIMEOUT)
         self.contexts: dict[str, Context] = {}
-        self.closed_ids: set[str] = set()
+        self.closed_ids: OrderedDict[str, None] = OrderedDict()
         self.queue: deque[Context] = deque()     # contexts with text waiting for the stream
         self.active: Context | None = None       # the context whose turn is open on the stream
-        self.turns = 0
+        self._first: dict | None = None          # the message that authenticated, still to be handled
         self._starting = False
-        self._send_lock = asyncio.Lock()
-        self._sender: asyncio.Task | None = None
         self._closing = False
-        self._closed = False
 
-    # ------------------------------------------------------------------ sending
-    async def send(self, payload: dict) -> None:
-        async with self._send_lock:
-            await self.ws.send_text(json.dumps(payload, separators=(",", ":")))
-
-    async def error(self, code: str, message: str, context_id: str | None = None) -> None:
-        """ElevenLabs' error shape: livekit fails the named context with ``error``; pipecat ignores it."""
-        payload = {"error": code, "message": message}
-        if self.multi and context_id is not None:
-            payload["contextId"] = context_id
-        await self.send(payload)
-
-    def _tag(self, payload: dict, ctx: Context) -> dict:
-        if self.multi:
-            payload["contextId"] = ctx.id
-        return payload
-
-    # ------------------------------------------------------------------ main loop
-    async def run(self) -> None:
-        self.metrics.sessions.inc()
+    # ------------------------------------------------------------------ the gate and the configuration
+    async def authenticate(self) -> None:
+        """The key may come in the first message (``xi_api_key``, or ``authorization`` with or without
+        ``Bearer``), within ``auth_timeout`` seconds; anything else ends the socket. Nothing else happens
+        before: no voice lookup, no format check, no timeout the client chose."""
+        refused = ApiError("invalid_api_key", "missing or invalid API key: send the xi-api-key header or xi_api_key "
+                                              "in the first message")
         try:
-            await self._configure()
-            while True:
-                try:
-                    message = await asyncio.wait_for(self.ws.receive(), timeout=self.timeout)
-                except asyncio.TimeoutError:
-                    if self.active is not None or self.queue:
-                        continue                     # audio is still being generated: not idle
-                    raise Fatal("input_timeout_exceeded", f"no text received for {self.timeout:g} s") from None
-                if message["type"] == "websocket.disconnect" or self._closed:
-                    return
-                await self.on_message(message)
-                if self._closing and (self.multi or self.active is None):
-                    await self._close()
-                    return
-        except Fatal as e:
-            await self._fail(e)
-        except WebSocketDisconnect:
-            pass
-        except Exception as e:  # noqa: BLE001 - one session's bug never takes the server down
-            log.exception("elevenlabs session failed")
-            try:
-                await self.error("internal_error", f"internal error: {type(e).__name__}")
-                await self.ws.close(code=CLOSE_INTERNAL)
-            except (WebSocketDisconnect, RuntimeError):
-                pass
-        finally:
-            end_session(self.metrics, self._sender, self.handle)
-
-    async def _fail(self, e: Fatal) -> None:
+            message = await asyncio.wait_for(self.ws.receive(), self.policy.auth_timeout)
+        except asyncio.TimeoutError:
+            raise SessionEnd(ApiError("auth_timeout", f"no API key within {self.policy.auth_timeout:g} s")) from None
+        if message["type"] == "websocket.disconnect":
+            raise WebSocketDisconnect()
         try:
-            await self.error(e.code, e.message)
-            await self.ws.close(code=e.close, reason=e.message[:120])
-        except (WebSocketDisconnect, RuntimeError):
-            pass
+            data = json.loads(message.get("text") or "")
+        except Exception:  # noqa: BLE001 - any first message that is not JSON is refused alike
+            raise SessionEnd(refused) from None
+        key = data.get("xi_api_key") or data.get("authorization") if isinstance(data, dict) else None
+        if not isinstance(key, str) or not self.policy.key_valid(key):
+            raise SessionEnd(refused)
+        self._first = data
+        self._quiet_since = time.monotonic()
 
-    async def _configure(self) -> None:
+    async def open(self) -> None:
         """Query parameters, readiness and the voice: refused before any text."""
         try:
             params = ConnectionParams.from_query(self.ws.query_params)
         except ValidationError as e:
             err = e.errors()[0]
-            raise Fatal("invalid_request", f"{'.'.join(map(str, err['loc']))}: {err['msg']}") from None
+            raise SessionEnd(ApiError("invalid_request", f"{'.'.join(map(str, err['loc']))}: {err['msg']}")) from None
         try:
             self.format = parse_output_format(params.output_format)
             self.service.require_ready()
-            self.voice = await run_in_threadpool(self.service.resolve_voice, self.voice_id, param="voice_id")
+            voice = await run_in_threadpool(self.service.resolve_voice, self.voice_id, "voice_id")
         except ApiError as e:
-            raise Fatal(e.code or "invalid_request", e.message,
-                        CLOSE_INTERNAL if e.status >= 500 else CLOSE_POLICY) from None
-        self.seed = params.seed if params.seed is not None else self.settings.elevenlabs_seed
-        self.timeout = float(params.inactivity_timeout or DEFAULT_INACTIVITY_TIMEOUT)
+            raise SessionEnd(e) from None
+        seed = params.seed if params.seed is not None else self.service.settings.elevenlabs_seed
+        self.conversation = Conversation(self.service, self.policy, voice, seed)
+        # the client's inactivity_timeout, at most the server's idle timeout (a socket holds its slot)
+        self.inactivity = min(float(params.inactivity_timeout or DEFAULT_INACTIVITY_TIMEOUT), self.policy.idle_timeout)
+        if self._first is not None:
+            first, self._first = self._first, None
+            await self.on_data(first)
 
-    async def on_message(self, message: dict) -> None:
-        try:
-            data = json_frame(message, self.settings.ws_max_message_bytes)
-        except FrameRefused as e:
-            await self.error("invalid_message" if e.code == "binary" else e.code, e.message)
-            return
+    def render_error(self, err: ApiError, fatal: bool, context_id: str | None = None) -> dict:
+        return err.elevenlabs_message(context_id if self.multi else None)
+
+    # ------------------------------------------------------------------ timers
+    def busy(self) -> bool:
+        return self.active is not None or bool(self.queue)     # audio is still being generated: not idle
+
+    def _next_deadline(self, now: float):
+        deadline, what = super()._next_deadline(now)
+        if not self.busy():                   # ElevenLabs' inactivity: no text for inactivity_timeout seconds
+            due = self._quiet_since + self.inactivity
+            if deadline is None or due < deadline:
+                return due, "inactivity"
+        return deadline, what
+
+    async def on_protocol_deadline(self, what: str, now: float) -> None:
+        if what == "inactivity" and not self.busy() and now - self._quiet_since >= self.inactivity:
+            raise SessionEnd(ApiError("input_timeout_exceeded", f"no text received for {self.inactivity:g} s"))
+
+    async def on_text_timeout(self) -> None:
+        # no error message: ElevenLabs' clients fail a context on any error; the turn ends as by a flush
+        ctx = self.active
+        if ctx is not None and not ctx.turn_ended:
+            ctx.turn_ended = True
+        await super().on_text_timeout()
+
+    # ------------------------------------------------------------------ client messages
+    async def on_data(self, data) -> None:
         context_id = data.get("context_id") if isinstance(data, dict) and isinstance(data.get("context_id"), str) \
             else None
         if not isinstance(data, dict):
-            await self.error("invalid_message", "every message is a JSON object")
+            await self.error(ApiError("invalid_message", "every message is a JSON object"))
             return
         try:
             msg = ClientMessage.model_validate(data)
         except ValidationError as e:
             err = e.errors()[0]
-            await self.error("invalid_message", f"{'.'.join(map(str, err['loc']))}: {err['msg']}", context_id)
+            await self.error(ApiError("invalid_message", f"{'.'.join(map(str, err['loc']))}: {err['msg']}"),
+                             context_id=context_id)
             return
-        if not self.authorized:
-            if not _known(self.settings.api_keys, msg.xi_api_key or msg.authorization):
-                raise Fatal("invalid_api_key", "missing or invalid API key: send the xi-api-key header or "
-                            "xi_api_key in the first message")
-            self.authorized = True
         try:
             await self.handle_message(msg)
-        except (ApiError, EngineError) as e:
-            err = from_engine(e)
-            if err.status >= 500 and err.status != 503:
+        except ApiError as e:
+            if e.status >= 500 and e.status != 503:
                 raise
-            self.metrics.requests.labels(self.path, str(err.status)).inc()
-            await self.error(err.code or "invalid_request", err.message, msg.context_id)
+            self.metrics.requests.labels(self.path, str(e.status)).inc()
+            await self.error(e, context_id=msg.context_id)
+        if self._closing and (self.multi or self.active is None):
+            await self._close(1000)
 
     async def handle_message(self, msg: ClientMessage) -> None:
         if msg.close_socket:
             self._closing = True
             if self.active is not None:
-                self.handle.cancel()
+                self.conversation.cancel()
             return
         cid = (msg.context_id or "default") if self.multi else SINGLE_CONTEXT
         ctx = self.contexts.get(cid)
@@ -231,29 +199,34 @@ class ElevenLabsSession:
             return
         if msg.text is None and not msg.flush:
             return
+        text = msg.text or ""
+        if text:
+            Conversation.check_text(text)       # refused before it opens a context or reaches the alignment
         if ctx is None and cid in self.closed_ids:
             if not (msg.text or msg.flush):
                 return          # a keep-alive naming a context that has ended
-            raise ApiError(400, f"context {cid!r} was closed: open a new context_id for more text",
-                           param="context_id", code="context_closed")
+            raise ApiError("context_closed", f"context {cid!r} was closed: open a new context_id for more text",
+                           "context_id")
         if ctx is None:
             if msg.text is not None and msg.text.strip() == "" and not msg.flush and msg.context_id is None \
                     and self.multi:
                 return          # a keep-alive without a context
+            if len(self.contexts) >= self.policy.max_contexts:
+                raise ApiError("too_many_contexts", f"at most {self.policy.max_contexts} contexts may be open on one "
+                               "socket: close one first", "context_id")
             ctx = self.contexts[cid] = Context(cid)
             if msg.text == " ":
                 return          # the context-opening " " (it carries the ignored voice settings)
         if (ctx.close_requested or ctx.cancelled) and not (msg.text or msg.flush):
             return              # a keep-alive for a context that is finishing
         if ctx.close_requested or ctx.cancelled:
-            raise ApiError(400, f"context {cid!r} was closed: open a new context_id for more text",
-                           param="context_id", code="context_closed")
-        text = msg.text or ""
+            raise ApiError("context_closed", f"context {cid!r} was closed: open a new context_id for more text",
+                           "context_id")
         if text:
-            self._check_buffer(ctx, len(text))
+            self._check_room(ctx, len(text))
             ctx.aligner.add(text)
             if self.active is ctx and not ctx.turn_ended:
-                self.handle.push_text(text)
+                self.conversation.push_text(text)
             else:
                 ctx.pending.append(text)        # its turn opens later (after a flush: its next turn)
                 self._enqueue(ctx)
@@ -265,13 +238,9 @@ class ElevenLabsSession:
             return
         await self._start_next()
 
-    def _check_buffer(self, ctx: Context, incoming: int) -> None:
-        waiting = sum(len(t) for t in ctx.pending)
-        if self.active is ctx and self.handle is not None:
-            waiting += self.handle.stream.pending_text_chars + self.handle.stream.pending_text_ids
-        if waiting + incoming > self.settings.ws_max_buffered_chars:
-            raise ApiError(400, f"text buffer full: at most {self.settings.ws_max_buffered_chars} characters may wait "
-                           "to be spoken", code="text_buffer_full")
+    def _check_room(self, ctx: Context, incoming: int) -> None:
+        """The socket's text buffer: every context's waiting text and what its stream has not spoken yet."""
+        self.conversation.check_buffer(incoming, sum(c.pending_chars for c in self.contexts.values()))
 
     def _enqueue(self, ctx: Context) -> None:
         if not ctx.queued and self.active is not ctx:
@@ -284,7 +253,7 @@ class ElevenLabsSession:
             ctx.flush_pending = True
         elif self.active is ctx and not ctx.turn_ended:
             ctx.turn_ended = True
-            self.handle.end_text()
+            self.conversation.end_text()
 
     def _unflushed(self, ctx: Context) -> bool:
         return (self.active is ctx and not ctx.turn_ended) or (bool(ctx.pending) and not ctx.flush_pending)
@@ -302,7 +271,7 @@ class ElevenLabsSession:
         ctx.close_requested = True
         ctx.pending.clear()
         if self.active is ctx:
-            self.handle.cancel()
+            self.conversation.cancel()
         else:
             if ctx.queued:
                 self.queue.remove(ctx)
@@ -311,10 +280,17 @@ class ElevenLabsSession:
 
     async def _finish_context(self, ctx: Context) -> None:
         self.contexts.pop(ctx.id, None)
-        self.closed_ids.add(ctx.id)
-        await self.send(self._tag({"isFinal": True}, ctx))
+        self.closed_ids[ctx.id] = None
+        while len(self.closed_ids) > CLOSED_IDS_KEPT:
+            self.closed_ids.popitem(last=False)
+        await self.send_json(self._tag({"isFinal": True}, ctx))
         if not self.multi:
             self._closing = True
+
+    def _tag(self, payload: dict, ctx: Context) -> dict:
+        if self.multi:
+            payload["contextId"] = ctx.id
+        return payload
 
     # ------------------------------------------------------------------ turns
     async def _start_next(self) -> None:
@@ -326,118 +302,76 @@ class ElevenLabsSession:
             self._starting = True
             try:
                 await self._begin_turn(ctx)
-            except (ApiError, EngineError) as e:
-                err = from_engine(e)
-                self.metrics.requests.labels(self.path, str(err.status)).inc()
-                await self.error(err.code or "turn_refused", err.message, ctx.id)
+            except ApiError as e:
+                if e.code == "max_turns":
+                    raise SessionEnd(e) from None
+                self.metrics.requests.labels(self.path, str(e.status)).inc()
+                await self.error(e, context_id=ctx.id)
                 ctx.pending.clear()
                 await self._finish_context(ctx)
                 continue
             finally:
                 self._starting = False
             text, ctx.pending = "".join(ctx.pending), []
-            self.handle.push_text(text)
+            self.conversation.push_text(text)
             if ctx.flush_pending:
                 ctx.flush_pending, ctx.turn_ended = False, True
-                self.handle.end_text()
+                self.conversation.end_text()
 
     async def _begin_turn(self, ctx: Context) -> None:
-        if self.turns >= self.settings.ws_max_turns:
-            raise Fatal("max_turns", f"this socket reached its {self.settings.ws_max_turns} turns")
-        params = self.service.sampling(SamplingFields(greedy=self.settings.elevenlabs_greedy or None))
-        limits = self.service.limits
-        if self.handle is not None and self.handle.context_rows > (1 - FRESH_CONTEXT_BELOW) * limits.max_context_rows:
-            self._fresh_stream()
-        started = time.monotonic()
-        for attempt in range(2):
-            if self.handle is None:
-                self.handle = self.service.open_stream(self.voice, params, self.seed, AsyncSink())
-                self._sender = asyncio.create_task(self._send_events(self.handle))
-            try:
-                await self.handle.abegin_turn("", None, None, None, params)      # awaits a slot, holds no thread
-                break
-            except ContextLimitError:
-                if attempt:
-                    raise
-                self._fresh_stream()             # the conversation is full: continue on a fresh context
-        self.turns += 1
+        conv = self.conversation
+        params = self.service.sampling(SamplingFields(greedy=self.service.settings.elevenlabs_greedy or None))
+        if conv.context_rows > (1 - FRESH_CONTEXT_BELOW) * self.service.limits.max_context_rows:
+            log.info("conversation context full (%d rows): the next turn starts a fresh one", conv.context_rows)
+            conv.fresh()
+        meter = StreamMeter(self.metrics, self.protocol)
+        before = conv.handle
+        try:
+            await conv.begin_turn(params)                # awaits a slot, holds no thread
+        except ApiError as e:
+            if e.code != "input_too_long" or conv.handle is None:
+                raise
+            conv.fresh()                                 # the conversation is full: continue on a fresh context
+            await conv.begin_turn(params)
+        if conv.handle is not before or self._sender is None:
+            self.start_sender()
         self.active = ctx
         ctx.turn_ended = False
         ctx.aligner.new_turn()
-        ctx.encoder, ctx.frames_sent = None, 0
-        ctx.meter = StreamMeter(self.metrics, "elevenlabs", started)
+        ctx.frames_sent = 0
+        rate, fmt = self.service.model.codec.sample_rate, self.format
+        self.turn = TurnAudio(meter, make_encoder=lambda: fmt.encoder(rate))
 
-    def _fresh_stream(self) -> None:
-        log.info("conversation context full (%d rows): the next turn starts a fresh one", self.handle.context_rows)
-        if self._sender is not None and self._sender is not asyncio.current_task():
-            self._sender.cancel()    # (called from the sender itself, it returns after this event)
-        self.handle.close()
-        self.handle, self._sender = None, None
-
-    async def _send_events(self, handle: StreamHandle) -> None:
-        try:
-            while handle is self.handle:
-                event = await handle.aget()
-                ctx = self.active
-                if ctx is None or handle is not self.handle:
-                    continue
-                if isinstance(event, FrameEvent):
-                    await self._on_frame(ctx, event)
-                elif isinstance(event, StreamError):
-                    err = from_engine(event.error)
-                    await self.error(err.code or "engine_error", err.message, ctx.id)
-                elif isinstance(event, TurnEnd):
-                    await self._on_turn_end(ctx, event)
-        except Fatal as e:
-            await self._fail(e)
-        except (WebSocketDisconnect, RuntimeError, asyncio.CancelledError):
-            pass
-
-    async def _on_frame(self, ctx: Context, event: FrameEvent) -> None:
-        ctx.meter.frame()
-        frame = event.frame
-        if frame.audio is None:
-            return
-        if ctx.encoder is None:
-            ctx.encoder = self.format.encoder(self.service.model.codec.sample_rate)
-        audio = ctx.encoder.write(frame.audio)
+    # ------------------------------------------------------------------ the turn's events
+    async def on_audio(self, out: Audio) -> None:
+        ctx = self.active
         ctx.frames_sent += 1
-        payload = {"audio": base64.b64encode(audio).decode(), "isFinal": None}
-        self._align(payload, ctx.aligner.frame(frame.text_chars, FRAME_MS))
-        await self.send(self._tag(payload, ctx))
-        ctx.meter.audio_sent(FRAME_SECONDS)
+        span = ctx.aligner.frame(out.frame.text_chars, FRAME_MS)
+        await self.send_json(self._tag({"audio": base64.b64encode(out.data).decode(), "isFinal": None,
+                                        "alignment": span, "normalizedAlignment": span}, ctx))
 
-    def _align(self, payload: dict, span: dict | None) -> None:
-        payload["alignment"] = span
-        payload["normalizedAlignment"] = span
+    async def on_failed(self, err: ApiError) -> None:
+        await self.error(err, context_id=self.active.id if self.active is not None else None)
 
-    async def _on_turn_end(self, ctx: Context, event: TurnEnd) -> None:
-        reason = event.stats.finish_reason
-        ctx.meter.finish()
-        status = "200" if reason is not FinishReason.ERROR else "500"
-        self.metrics.requests.labels(self.path, status).inc()
-        tail = ctx.encoder.close() if ctx.encoder is not None else b""
+    async def on_ended(self, out: Ended, turn: TurnAudio) -> None:
+        ctx = self.active
+        reason = out.stats.finish_reason
+        self.metrics.requests.labels(self.path, "200" if reason is not FinishReason.ERROR else "500").inc()
         span = None if ctx.cancelled else ctx.aligner.rest()
-        if tail or span:
-            payload = {"audio": base64.b64encode(tail).decode(), "isFinal": None}
-            self._align(payload, span)
-            await self.send(self._tag(payload, ctx))
+        if out.tail or span:
+            await self.send_json(self._tag({"audio": base64.b64encode(out.tail).decode(), "isFinal": None,
+                                            "alignment": span, "normalizedAlignment": span}, ctx))
         if reason is FinishReason.CANCELLED:
             try:   # keep in the conversation only what was sent
-                self.handle.truncate_turn(ctx.frames_sent)
+                self.conversation.truncate_turn(ctx.frames_sent)
             except InputError as e:
                 log.warning("could not truncate the cancelled turn: %s", e)
         self.active = None
-        ctx.encoder = None
         if ctx.pending and not ctx.cancelled:
             self._enqueue(ctx)                   # text that came after its flush: the context's next turn
         elif ctx.close_requested:
             await self._finish_context(ctx)
         await self._start_next()
         if self._closing and not self.multi:
-            await self._close()
+            await self._close(1000)
 
-    async def _close(self) -> None:
-        if not self._closed:
-            self._closed = True
-            await self.ws.close(1000)

@@ -6,7 +6,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from ..auth import require_key
+from ..session.policy import require_key
 from ..errors import ApiError
 from ..schemas import ModelCard, ModelList
 from ..service import MODEL_ALIASES, MODEL_ID, TTSService
@@ -67,4 +67,4 @@ async def get_model(model_id: str, request: Request):
     for card in _cards(request.app.state.service):
         if card.id == model_id:
             return card
-    raise ApiError(404, f"model {model_id!r} not found", "invalid_request_error", "model", "model_not_found")
+    raise ApiError("model_not_found", f"model {model_id!r} not found", "model")

@@ -8,7 +8,7 @@ from starlette.concurrency import run_in_threadpool
 from engine.errors import InputError, VoiceExistsError, VoiceLimitError
 from engine.voices import VOICE_NAME_PATTERN
 
-from ..auth import require_key
+from ..session.policy import require_key
 from ..errors import ApiError
 from ..schemas import DeletedVoice, VoiceList, VoiceObject
 from ..service import DEFAULT_VOICE, OPENAI_VOICES, TTSService
@@ -25,28 +25,28 @@ async def create_voice(request: Request, name: str = Form(..., pattern=VOICE_NAM
     service: TTSService = request.app.state.service
     service.require_ready()
     if name.lower() in (DEFAULT_VOICE, *OPENAI_VOICES):
-        raise ApiError(400, f"{name!r} is a built-in voice name; pick another", param="name", code="reserved_name")
+        raise ApiError("reserved_name", f"{name!r} is a built-in voice name; pick another", "name")
     limit = service.settings.max_upload_bytes
     data = await audio_sample.read(limit + 1)
     if len(data) > limit:
-        raise ApiError(413, f"audio_sample is larger than {limit} bytes", param="audio_sample", code="file_too_large")
+        raise ApiError("file_too_large", f"audio_sample is larger than {limit} bytes", "audio_sample")
     try:
         service.voices.check_name(name)
     except InputError as e:
-        raise ApiError(400, str(e), param="name", code="invalid_value") from None
+        raise ApiError("invalid_value", str(e), "name") from None
     if await run_in_threadpool(service.voices.find, name) is not None:    # may rebuild the index from disk
-        raise ApiError(409, f"a voice named {name!r} already exists; delete it first or pick another name",
-                       param="name", code="voice_exists")
+        raise ApiError("voice_exists", f"a voice named {name!r} already exists; delete it first or pick another name",
+                       "name")
     try:
         service.voices.check_room()                  # before any decoding; add() checks again under its lock
         wav, rate = await run_in_threadpool(decode_upload, data, service.limits)
         rec = await run_in_threadpool(service.register_voice, name, wav, rate)
     except VoiceExistsError as e:      # registered by another request meanwhile
-        raise ApiError(409, str(e), param="name", code="voice_exists") from None
+        raise ApiError("voice_exists", str(e), "name") from None
     except VoiceLimitError as e:
-        raise ApiError(409, str(e), code="voice_limit_reached") from None
+        raise ApiError("voice_limit_reached", str(e)) from None
     except InputError as e:
-        raise ApiError(400, str(e), param="audio_sample", code="invalid_audio") from None
+        raise ApiError("invalid_audio", str(e), "audio_sample") from None
     return VoiceObject(**rec.public())
 
 
@@ -60,7 +60,7 @@ async def list_voices(request: Request):
 async def get_voice(voice_id: str, request: Request):
     rec = await run_in_threadpool(request.app.state.service.voices.find, voice_id)   # may rebuild the index
     if rec is None:
-        raise ApiError(404, f"voice {voice_id!r} not found", param="voice_id", code="voice_not_found")
+        raise ApiError("not_found", f"voice {voice_id!r} not found", "voice_id")
     return VoiceObject(**rec.public())
 
 
@@ -68,5 +68,5 @@ async def get_voice(voice_id: str, request: Request):
 async def delete_voice(voice_id: str, request: Request):
     rec = await run_in_threadpool(request.app.state.service.voices.delete, voice_id)   # removes files
     if rec is None:
-        raise ApiError(404, f"voice {voice_id!r} not found", param="voice_id", code="voice_not_found")
+        raise ApiError("not_found", f"voice {voice_id!r} not found", "voice_id")
     return DeletedVoice(id=rec.id)

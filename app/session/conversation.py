@@ -1,0 +1,136 @@
+"""A conversation: one scheduler stream that lives across a client's turns, and every bound a turn is held to.
+
+It owns the :class:`~engine.handles.StreamHandle` (opened at the first turn, with the voice and seed fixed
+then), admission (the queue timeout), the turn lifecycle (begin, push text or ids, end the text, cancel,
+truncate), the text buffer bound, the turn limit and the text clock: an open turn that waits for text with
+nothing left to speak is due to have its text ended at :meth:`Conversation.text_deadline`. Only text that
+lets the turn go on moves that clock (text the tokenizer commits, or any text while the turn still has
+something to speak): an empty delta, or one that commits nothing while the turn waits, does not.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from engine.errors import EngineError, InputError
+from engine.handles import AsyncSink, StreamHandle
+from engine.sampling import SamplingParams
+from engine.tokenizer import check_unicode
+
+from ..errors import ApiError, from_engine
+from .policy import SessionPolicy
+
+
+class Conversation:
+    def __init__(self, service, policy: SessionPolicy, voice_codes: np.ndarray | None, seed: int | None):
+        self.service, self.policy = service, policy
+        self.voice_codes, self.seed = voice_codes, seed
+        self.handle: StreamHandle | None = None
+        self.turns = 0
+        self.turn_open = False                 # from begin_turn until the turn's end arrived
+        self._waiting_since: float | None = None
+
+    # ------------------------------------------------------------------ the stream
+    def _stream(self, params: SamplingParams) -> StreamHandle:
+        if self.handle is None:
+            self.handle = self.service.open_stream(self.voice_codes, params, self.seed, AsyncSink())
+        return self.handle
+
+    @property
+    def context_rows(self) -> int:
+        return self.handle.context_rows if self.handle is not None else 0
+
+    def fresh(self) -> None:
+        """The next turn starts on a new stream (its context empty); this one's slot is freed."""
+        if self.handle is not None:
+            self.handle.close()
+            self.handle = None
+
+    def close(self) -> None:
+        if self.handle is not None:
+            self.handle.close()
+
+    # ------------------------------------------------------------------ turns
+    async def begin_turn(self, params: SamplingParams, user_text: str = "", user_audio=None,
+                         max_frames: int | None = None) -> None:
+        """Open a turn, waiting for a stream slot (the queue timeout) at the stream's first turn. Raises the
+        catalogue's error: ``max_turns``, ``no_capacity``, ``input_too_long``, ``draining``..."""
+        if self.turns >= self.policy.max_turns:
+            raise ApiError("max_turns", f"this session reached its {self.policy.max_turns} turns")
+        handle = self._stream(params)
+        try:
+            await handle.abegin_turn(user_text, user_audio, None, max_frames, params)
+        except EngineError as e:
+            raise from_engine(e) from None
+        self.turns += 1
+        self.turn_open = True
+        self._waiting_since = time.monotonic()
+
+    def turn_ended(self) -> None:
+        """The turn's end arrived (its last audio was sent)."""
+        self.turn_open = False
+        self._waiting_since = None
+
+    @staticmethod
+    def check_text(text: str, param: str = "text") -> str:
+        """Text the stream may take: valid Unicode (a lone surrogate is refused before it opens or counts
+        toward anything)."""
+        try:
+            return check_unicode(text)
+        except InputError as e:
+            raise ApiError("invalid_value", str(e), param) from None
+
+    def check_takes_text(self) -> None:
+        """Refuse text for a turn whose response already ended (its end is on its way to the client)."""
+        s = self.handle.stream if self.handle is not None else None
+        if s is not None and s.has_turn and s.turn_done:
+            reason = s.stats.finish_reason.value if s.stats.finish_reason else "ended"
+            raise ApiError("response_ended", f"the response already ended ({reason}); this text was not spoken: "
+                                             "wait for the end of the response, then send the next turn's text")
+
+    def check_buffer(self, incoming: int, elsewhere: int = 0) -> None:
+        """The text buffer bound: what the stream has not spoken yet, ``elsewhere`` (text of the session
+        waiting outside the stream, such as other contexts') and ``incoming`` together."""
+        s = self.handle.stream if self.handle is not None else None
+        waiting = elsewhere + (s.pending_text_chars + s.pending_text_ids if s is not None else 0)
+        if waiting + incoming > self.policy.max_buffered_chars:
+            raise ApiError("text_buffer_full", f"text buffer full: at most {self.policy.max_buffered_chars} characters "
+                                               "may wait to be spoken; send more once audio has caught up")
+
+    def push_text(self, text: str) -> int:
+        """Text into the open turn (checked with :meth:`check_text` and :meth:`check_buffer` first)."""
+        return self._progress(self.handle.push_text(text))
+
+    def push_ids(self, ids) -> int:
+        return self._progress(self.handle.push_token_ids(ids))
+
+    def _progress(self, committed: int) -> int:
+        if committed or not self.handle.stream.waiting_for_text:
+            self._waiting_since = None           # re-armed when the turn is next seen waiting
+        return committed
+
+    def end_text(self) -> None:
+        try:
+            self.handle.end_text()
+        except EngineError:
+            pass                                 # the stream closed or its text ended meanwhile
+
+    def cancel(self) -> None:
+        if self.handle is not None and not self.handle.closed:
+            self.handle.cancel()
+
+    def truncate_turn(self, frames: int) -> int:
+        return self.handle.truncate_turn(frames)
+
+    # ------------------------------------------------------------------ the text clock
+    def text_deadline(self, now: float) -> float | None:
+        """When the open turn's text is to be ended for it (None: it is not waiting for text)."""
+        s = self.handle.stream if self.handle is not None else None
+        if not self.turn_open or s is None or not s.waiting_for_text:
+            self._waiting_since = None
+            return None
+        if self._waiting_since is None:
+            self._waiting_since = now
+        return self._waiting_since + self.policy.text_timeout

@@ -1,0 +1,101 @@
+"""Every bound a client session is held to, built once from the settings, and the gate it passes first.
+
+The gate runs before any other work, on every transport: the ``Origin`` of a WebSocket upgrade (browsers
+never apply CORS to WebSockets, so the server must: a page of this server, one of ``--cors-origin``, or no
+``Origin`` at all, which is not a browser), then the API key. HTTP takes ``Authorization: Bearer <key>`` or
+ElevenLabs' ``xi-api-key``; a WebSocket also ``?api_key=`` or the subprotocol ``mossrt.key.<key>`` (a browser
+can set neither header on one); an ElevenLabs socket may send the key in its first message instead, within
+``auth_timeout`` seconds, and does nothing else before it.
+"""
+
+from __future__ import annotations
+
+import hmac
+from dataclasses import dataclass
+from urllib.parse import urlsplit
+
+from fastapi import Request
+
+from ..errors import ApiError
+from ..settings import ServerSettings
+
+SUBPROTOCOL_PREFIX = "mossrt.key."
+
+
+def bearer(value: str | None) -> str | None:
+    """The key of an ``Authorization`` value: ``Bearer K`` → ``K`` (any case); anything else as it is."""
+    if value is None:
+        return None
+    value = value.strip()
+    return value[7:].strip() if value[:7].lower() == "bearer " else value
+
+
+@dataclass(frozen=True)
+class SessionPolicy:
+    """The bounds of one client session, whatever its transport (see the README's bounds table)."""
+
+    api_keys: tuple[str, ...]
+    cors_origins: tuple[str, ...]
+    queue_timeout: float          # a turn waits this long for a stream slot, then no_capacity (429)
+    stall_timeout: float          # a send the client does not take within this ends its stream
+    text_timeout: float           # an open turn waiting for text this long gets its text ended
+    idle_timeout: float           # a socket with no turn running and no message this long is closed
+    auth_timeout: float           # a socket that authenticates in its first message must send it by then
+    max_message_bytes: int        # one WebSocket message
+    max_buffered_chars: int       # text received but not yet spoken, per socket (every context together)
+    max_turns: int                # turns of one socket
+    max_contexts: int             # open contexts of one ElevenLabs multi-context socket
+
+    @classmethod
+    def from_settings(cls, s: ServerSettings) -> "SessionPolicy":
+        return cls(api_keys=tuple(s.api_keys), cors_origins=tuple(s.cors_origins), queue_timeout=s.queue_timeout,
+                   stall_timeout=s.stall_timeout, text_timeout=s.ws_text_timeout, idle_timeout=s.ws_idle_timeout,
+                   auth_timeout=s.ws_auth_timeout, max_message_bytes=s.ws_max_message_bytes,
+                   max_buffered_chars=s.ws_max_buffered_chars, max_turns=s.ws_max_turns,
+                   max_contexts=s.ws_max_contexts)
+
+    # ------------------------------------------------------------------ the gate
+    @property
+    def keys_required(self) -> bool:
+        return bool(self.api_keys)
+
+    def key_valid(self, candidate: str | None) -> bool:
+        """Whether ``candidate`` (a key, or ``Bearer <key>``) is one of the keys (constant time per key)."""
+        key = bearer(candidate)
+        return key is not None and any(hmac.compare_digest(key.encode(), k.encode()) for k in self.api_keys)
+
+    def http_key_error(self, headers) -> ApiError | None:
+        """The 401 of an HTTP request without a valid key (None when keys are off or it has one)."""
+        if not self.keys_required:
+            return None
+        if self.key_valid(headers.get("authorization")) or self.key_valid(headers.get("xi-api-key")):
+            return None
+        return ApiError("invalid_api_key", "missing or invalid API key: send 'Authorization: Bearer <key>' "
+                                           "(or 'xi-api-key: <key>')")
+
+    def origin_allowed(self, headers) -> bool:
+        """A WebSocket upgrade's ``Origin``: none (not a browser), ``*`` or listed, or this server's own host."""
+        origin = headers.get("origin")
+        if origin is None or "*" in self.cors_origins or origin in self.cors_origins:
+            return True
+        return urlsplit(origin).netloc.lower() == headers.get("host", "").lower()
+
+    def websocket_credentials(self, headers, query) -> tuple[bool, str | None]:
+        """(authorized by the handshake, the subprotocol to accept with). ``Authorization``, ElevenLabs'
+        ``xi-api-key``, ``?api_key=`` and the ``mossrt.key.<key>`` subprotocol are each accepted."""
+        protocols = [p.strip() for p in headers.get("sec-websocket-protocol", "").split(",") if p.strip()]
+        chosen = next((p for p in protocols if p.startswith(SUBPROTOCOL_PREFIX)), None)
+        if not self.keys_required:
+            return True, chosen
+        candidates = (headers.get("authorization"), headers.get("xi-api-key"), query.get("api_key"),
+                      chosen[len(SUBPROTOCOL_PREFIX):] if chosen else None)
+        return any(self.key_valid(c) for c in candidates), chosen
+
+
+async def require_key(request: Request) -> None:
+    """FastAPI dependency of the ``/v1`` HTTP routes (async: it never waits in the shared thread pool). The
+    request guard has already refused keyless requests before their bodies; this keeps each route's
+    requirement explicit wherever it is mounted."""
+    err = request.app.state.service.policy.http_key_error(request.headers)
+    if err is not None:
+        raise err

@@ -1,0 +1,292 @@
+"""A WebSocket session's life, the same for every WebSocket protocol (ours, ElevenLabs' two): the gate, the
+deadline loop, bounded sends, the audio sender and the teardown. A protocol only parses its messages and
+renders its events (:class:`WireSession`'s hooks).
+
+- **Gate**, before any other work: an ``Origin`` the policy refuses gets HTTP 403 at the upgrade; then the
+  key (the handshake's, or, where the protocol allows it, the first message's within ``auth_timeout``).
+- **Deadlines**, in one loop: every timer of the session — idle, the open turn's text clock, the
+  protocol's own (ElevenLabs' inactivity) — is a deadline of the receive wait; the nearest one fires.
+- **Sends** are bounded by ``stall_timeout``: a client that does not take a message in time loses its
+  stream (slot freed, ``mossrt_stalled_streams_total`` counted) and its socket.
+- **Teardown**, however the session ends: the sender stops, the stream's slot is freed, the socket count
+  drops.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+
+from fastapi import WebSocket, WebSocketDisconnect
+
+from engine.handles import StreamError
+
+from ..errors import CLOSE_FORBIDDEN, ApiError, close_code, from_engine, json_error
+from .conversation import Conversation
+from .pump import Audio, Ended, Failed, Out, TurnAudio
+
+log = logging.getLogger("mossrt.ws")
+TEXT_POLL_S = 0.5          # how often an open turn's wait for text is looked at (the text clock's resolution)
+CLOSE_BOUND_S = 5.0        # a client that reads nothing cannot take the close frame either
+
+
+class ClientStalled(Exception):
+    """The client did not take a message within the stall timeout."""
+
+
+class SessionEnd(Exception):
+    """End the session with this (fatal) error."""
+
+    def __init__(self, error: ApiError):
+        super().__init__(error.message)
+        self.error = error
+
+
+class FrameRefused(Exception):
+    """A message that is not one JSON text message within the size limit (``code``: ``binary_not_expected``,
+    ``message_too_large``, ``invalid_json``)."""
+
+    def __init__(self, error: ApiError):
+        super().__init__(error.message)
+        self.error = error
+
+
+def json_frame(message: dict, max_bytes: int):
+    """The JSON value of a received WebSocket message; FrameRefused otherwise."""
+    if message.get("bytes") is not None:
+        raise FrameRefused(ApiError("binary_not_expected", "send JSON text frames; binary frames are for the audio "
+                                                           "the server sends"))
+    text = message.get("text") or ""
+    if len(text.encode()) > max_bytes:
+        raise FrameRefused(ApiError("message_too_large", f"messages are limited to {max_bytes} bytes"))
+    try:
+        return json.loads(text)
+    except Exception as e:  # noqa: BLE001 - json_error says which failures are bad JSON
+        err = json_error(e)
+        if err is None:
+            raise
+        raise FrameRefused(err) from None
+
+
+class WireSession:
+    """One WebSocket session. Subclasses set :attr:`protocol` and :attr:`path` and implement
+    :meth:`open` (after the gate: readiness, configuration), :meth:`on_data` (one parsed message),
+    :meth:`render_error`, :meth:`on_audio`/:meth:`on_failed`/:meth:`on_ended` (the sender's items) and, when
+    they have one, :meth:`authenticate` (a key in the first message) and :meth:`protocol_deadline`."""
+
+    protocol = "ws"                       # metrics' transport label and close codes
+    path = ""
+
+    def __init__(self, ws: WebSocket, service):
+        self.ws, self.service = ws, service
+        self.policy = service.policy
+        self.metrics = ws.app.state.metrics
+        self.conversation: Conversation | None = None
+        self.turn: TurnAudio | None = None    # the open turn's audio (its encoder and meter)
+        self._send_lock = asyncio.Lock()
+        self._sender: asyncio.Task | None = None
+        self._quiet_since = time.monotonic()  # the last message, or the end of the last turn if later
+        self.closed = False
+
+    # ------------------------------------------------------------------ the whole life
+    async def serve(self) -> None:
+        if not self.policy.origin_allowed(self.ws.headers):
+            await self.ws.close(code=CLOSE_FORBIDDEN)       # before accept: the upgrade is refused with HTTP 403
+            return
+        authorized, subprotocol = self.policy.websocket_credentials(self.ws.headers, self.ws.query_params)
+        await self.ws.accept(subprotocol=subprotocol)
+        self.metrics.sessions.inc()
+        try:
+            if not authorized:
+                await self.authenticate()
+            await self.open()
+            await self._loop()
+        except SessionEnd as e:
+            await self.end(e.error)
+        except WebSocketDisconnect:
+            pass
+        except ClientStalled:
+            await self._stalled()
+        except Exception as e:  # noqa: BLE001 - one session's bug never takes the server down
+            log.exception("%s session failed", self.protocol)
+            await self.end(ApiError("internal_error", f"internal error: {type(e).__name__}"))
+        finally:
+            self.metrics.sessions.dec()
+            if self._sender is not None:
+                self._sender.cancel()
+            if self.conversation is not None:
+                self.conversation.close()
+
+    async def authenticate(self) -> None:
+        """No key came with the handshake: the protocol's default refuses at once."""
+        raise SessionEnd(ApiError("invalid_api_key", "missing or invalid API key"))
+
+    async def open(self) -> None:
+        """After the gate, before the first message is read (readiness, configuration, a greeting)."""
+
+    # ------------------------------------------------------------------ the deadline loop
+    async def _loop(self) -> None:
+        while not self.closed:
+            now = time.monotonic()
+            deadline, what = self._next_deadline(now)
+            try:
+                message = await asyncio.wait_for(self.ws.receive(), None if deadline is None else
+                                                 max(0.0, deadline - now))
+            except asyncio.TimeoutError:
+                await self._on_deadline(what, time.monotonic())
+                continue
+            if message["type"] == "websocket.disconnect":
+                return
+            self._quiet_since = time.monotonic()
+            await self.on_message(message)
+
+    async def on_message(self, message: dict) -> None:
+        try:
+            data = json_frame(message, self.policy.max_message_bytes)
+        except FrameRefused as e:
+            await self.error(e.error)
+            return
+        await self.on_data(data)
+
+    def _next_deadline(self, now: float) -> tuple[float | None, str]:
+        candidates = []
+        if self.conversation is not None and self.conversation.turn_open:
+            candidates.append((now + TEXT_POLL_S, "poll"))           # the turn may start waiting for text
+            due = self.conversation.text_deadline(now)
+            if due is not None:
+                candidates.append((due, "text"))
+        if not self.busy():
+            candidates.append((self._quiet_since + self.policy.idle_timeout, "idle"))
+        own = self.protocol_deadline(now)
+        if own is not None:
+            candidates.append(own)
+        return min(candidates) if candidates else (None, "")
+
+    async def _on_deadline(self, what: str, now: float) -> None:
+        if what == "text" and self.conversation is not None:
+            due = self.conversation.text_deadline(now)
+            if due is not None and due <= now:
+                await self.on_text_timeout()
+        elif what == "idle" and not self.busy() and now - self._quiet_since >= self.policy.idle_timeout:
+            raise SessionEnd(ApiError("idle_timeout", f"no message for {self.policy.idle_timeout:g} s"))
+        elif what not in ("poll", "text", "idle"):
+            await self.on_protocol_deadline(what, now)
+
+    def busy(self) -> bool:
+        """A turn is running: the session is not idle (its client listens)."""
+        return self.conversation is not None and self.conversation.turn_open
+
+    def protocol_deadline(self, now: float) -> tuple[float, str] | None:
+        return None
+
+    async def on_protocol_deadline(self, what: str, now: float) -> None:
+        pass
+
+    async def on_text_timeout(self) -> None:
+        """The open turn waited ``text_timeout`` s for text with nothing to speak: its text is ended for it
+        (it finishes what it has), so a client that never ends a turn cannot hold its turn, or its slot."""
+        log.info("%s session: no text for %g s while the turn waited for it; its text was ended", self.protocol,
+                 self.policy.text_timeout)
+        self.conversation.end_text()
+
+    # ------------------------------------------------------------------ sending
+    async def send_json(self, payload: dict) -> None:
+        await self._send(self.ws.send_text(json.dumps(payload, separators=(",", ":"))))
+
+    async def send_bytes(self, data: bytes) -> None:
+        await self._send(self.ws.send_bytes(data))
+
+    async def _send(self, sending) -> None:
+        """One message to the client; one it does not take within the stall timeout ends the session."""
+        async with self._send_lock:
+            try:
+                await asyncio.wait_for(sending, self.policy.stall_timeout)
+            except asyncio.TimeoutError:
+                raise ClientStalled from None
+
+    async def error(self, err: ApiError, fatal: bool = False, **context) -> None:
+        """The error in the protocol's shape; a fatal one closes the socket."""
+        await self.send_json(self.render_error(err, fatal, **context))
+        if fatal:
+            await self._close(close_code(err, self.protocol), err.message[:120])
+
+    async def end(self, err: ApiError) -> None:
+        """End the session with a fatal error, quietly if the client is already gone."""
+        try:
+            await self.error(err, fatal=True)
+        except (WebSocketDisconnect, RuntimeError, ClientStalled):
+            pass
+
+    async def _close(self, code: int, reason: str = "") -> None:
+        self.closed = True
+        try:
+            await asyncio.wait_for(self.ws.close(code=code, reason=reason), CLOSE_BOUND_S)
+        except (asyncio.TimeoutError, WebSocketDisconnect, RuntimeError):
+            pass
+
+    async def _stalled(self) -> None:
+        """The client stopped taking messages: its slot is freed now, then the socket is closed."""
+        if self.closed:
+            return
+        self.metrics.stalled.labels(self.protocol).inc()
+        log.warning("%s session ended: the client took no message for %g s", self.protocol, self.policy.stall_timeout)
+        if self.conversation is not None:
+            self.conversation.close()
+        await self._close(close_code(ApiError("client_stalled", "client stalled"), self.protocol), "client stalled")
+
+    # ------------------------------------------------------------------ the sender
+    def start_sender(self) -> None:
+        """Send the conversation's stream's events from now on (a fresh stream gets a sender of its own)."""
+        if self._sender is not None and self._sender is not asyncio.current_task():
+            self._sender.cancel()
+        self._sender = asyncio.create_task(self._send_events(self.conversation.handle))
+
+    async def _send_events(self, handle) -> None:
+        try:
+            while self.conversation is not None and handle is self.conversation.handle:
+                event = await handle.aget()
+                if handle is not self.conversation.handle:
+                    continue
+                if self.turn is None:                # between turns: only an error can come (the engine stopped)
+                    if isinstance(event, StreamError):
+                        await self.on_failed(from_engine(event.error))
+                    continue
+                out = self.turn.on_event(event)
+                if out is not None:
+                    await self.on_out(out)
+        except ClientStalled:
+            await self._stalled()
+        except SessionEnd as e:
+            await self.end(e.error)
+        except (WebSocketDisconnect, RuntimeError, asyncio.CancelledError):
+            pass
+
+    async def on_out(self, out: Out) -> None:
+        if isinstance(out, Audio):
+            await self.on_audio(out)
+            self.turn.sent()
+        elif isinstance(out, Failed):
+            await self.on_failed(out.error)
+        elif isinstance(out, Ended):
+            self.conversation.turn_ended()
+            self._quiet_since = max(self._quiet_since, time.monotonic())   # idle counts from the turn's end
+            turn, self.turn = self.turn, None
+            await self.on_ended(out, turn)
+
+    # ------------------------------------------------------------------ protocol hooks
+    def render_error(self, err: ApiError, fatal: bool, **context) -> dict:
+        raise NotImplementedError
+
+    async def on_data(self, data) -> None:
+        raise NotImplementedError
+
+    async def on_audio(self, out: Audio) -> None:
+        raise NotImplementedError
+
+    async def on_failed(self, err: ApiError) -> None:
+        await self.error(err, fatal=False)
+
+    async def on_ended(self, out: Ended, turn: TurnAudio) -> None:
+        raise NotImplementedError

@@ -1,0 +1,117 @@
+"""Every transport that speaks an utterance, as a client the bounds suite (``test_transport_bounds.py``) drives
+the same way: start a long utterance (optionally on a socket with a small receive buffer that is never read),
+and what the transport answers a refusal with. A transport added to the service joins :data:`TRANSPORTS`, and
+every bound of the suite applies to it.
+
+The suite runs on the demo bundle, whose random weights never end a turn early: a long text is a long stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+from dataclasses import dataclass
+
+LONG = " ".join(["The quick brown fox jumps over the lazy dog, and the model keeps on talking for a while."] * 8)
+KEY = "transport-key-0123"
+
+
+@dataclass(frozen=True)
+class Http:
+    name: str
+    path: str
+    label: str                    # mossrt_stalled_streams_total's transport / StreamMeter's
+    endpoint: str                 # mossrt_requests_total's endpoint
+    shape: str                    # "openai" | "elevenlabs": the error body
+    streamed: bool = True         # bytes leave as frames are generated
+
+    def body(self, text: str = LONG) -> dict:
+        if self.shape == "openai":
+            body = {"model": "x", "input": text, "response_format": "pcm", "max_frames": 3750}
+            return {**body, "stream_format": "sse"} if self.name == "sse" else body
+        return {"text": text}
+
+    def error_code(self, payload: dict) -> str:
+        return payload["error"]["code"] if self.shape == "openai" else payload["detail"]["status"]
+
+
+@dataclass(frozen=True)
+class Ws:
+    name: str
+    path: str
+    label: str
+    endpoint: str
+    multi: bool = False           # ElevenLabs multi-context
+
+    @property
+    def ours(self) -> bool:
+        return self.name == "ws"
+
+    def url(self, base: str, query: str = "") -> str:
+        return base.replace("http", "ws") + self.path + (("&" if "?" in self.path else "?") + query if query else "")
+
+    def opening(self, text: str, end: bool = True) -> list[str]:
+        """The messages that start an utterance of ``text`` (its end too when ``end``)."""
+        if self.ours:
+            msgs = [{"type": "session.update", "response_format": "pcm"}, {"type": "input.text", "text": text}]
+            return [json.dumps(m) for m in msgs + ([{"type": "input.done"}] if end else [])]
+        if self.multi:           # the end: a flush (speak it all), then close_context (isFinal after it)
+            msgs = [{"text": " ", "context_id": "c1"}, {"text": text, "context_id": "c1"}]
+            ending = [{"context_id": "c1", "flush": True}, {"context_id": "c1", "close_context": True}]
+            return [json.dumps(m) for m in msgs + (ending if end else [])]
+        msgs = [{"text": " "}, {"text": text}]           # stream-input's end: {"text": ""}
+        return [json.dumps(m) for m in msgs + ([{"text": ""}] if end else [])]
+
+    def error_code(self, message: dict) -> str | None:
+        """The code of an error message (None for any other message)."""
+        if self.ours:
+            return message["error"]["code"] if message.get("type") == "error" else None
+        return message.get("error")
+
+
+EL_FORMAT = "?output_format=pcm_24000"
+HTTP_TRANSPORTS = [
+    Http("openai", "/v1/audio/speech", "http", "/v1/audio/speech", "openai"),
+    Http("openai-whole", "/v1/audio/speech", "http", "/v1/audio/speech", "openai"),
+    Http("sse", "/v1/audio/speech", "sse", "/v1/audio/speech", "openai"),
+    Http("el-stream", "/v1/text-to-speech/default/stream" + EL_FORMAT, "elevenlabs_http",
+         "/v1/text-to-speech/{voice_id}/stream", "elevenlabs"),
+    Http("el-stream-timestamps", "/v1/text-to-speech/default/stream/with-timestamps" + EL_FORMAT, "elevenlabs_http",
+         "/v1/text-to-speech/{voice_id}/stream/with-timestamps", "elevenlabs"),
+    Http("el-with-timestamps", "/v1/text-to-speech/default/with-timestamps" + EL_FORMAT, "elevenlabs_http",
+         "/v1/text-to-speech/{voice_id}/with-timestamps", "elevenlabs", streamed=False),
+]
+WS_TRANSPORTS = [
+    Ws("ws", "/v1/audio/speech/stream", "ws", "/v1/audio/speech/stream"),
+    Ws("el-stream-input", "/v1/text-to-speech/default/stream-input" + EL_FORMAT, "elevenlabs",
+       "/v1/text-to-speech/{voice_id}/stream-input"),
+    Ws("el-multi-stream-input", "/v1/text-to-speech/default/multi-stream-input" + EL_FORMAT, "elevenlabs",
+       "/v1/text-to-speech/{voice_id}/multi-stream-input", multi=True),
+]
+TRANSPORTS = [t.name for t in HTTP_TRANSPORTS + WS_TRANSPORTS] + ["localai"]
+BY_NAME = {t.name: t for t in HTTP_TRANSPORTS + WS_TRANSPORTS}
+
+
+def small_buffer_socket(port: int, rcvbuf: int = 4096) -> socket.socket:
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+    sock.connect(("127.0.0.1", port))
+    return sock
+
+
+async def ws_messages(w, until, timeout: float = 60) -> list:
+    """Messages of ``w`` (decoded JSON, or bytes) until ``until(message)`` is true or the socket closes."""
+    out = []
+    deadline = asyncio.get_running_loop().time() + timeout
+    import websockets
+
+    while True:
+        try:
+            raw = await asyncio.wait_for(w.recv(), max(0.1, deadline - asyncio.get_running_loop().time()))
+        except websockets.ConnectionClosed:
+            return out
+        msg = json.loads(raw) if isinstance(raw, str) else raw
+        out.append(msg)
+        if until(msg):
+            return out
