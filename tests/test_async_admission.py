@@ -10,6 +10,8 @@ import time
 
 import pytest
 
+from service_helpers import wait_for
+
 
 def test_async_waiters_hold_no_thread_and_keep_the_order(model):
     from engine.errors import CapacityError
@@ -37,17 +39,20 @@ def test_async_waiters_hold_no_thread_and_keep_the_order(model):
             assert 0.3 <= time.monotonic() - t0 < 3
             assert threading.active_count() <= threads_before
             # a blocking caller queued between async ones keeps its place
+            async def queued(n: int) -> None:            # arrivals in order: each waits until it is in the queue
+                await asyncio.to_thread(wait_for, lambda: scheduler.stats().queued == n, 10, f"{n} in the queue")
+
             tasks = [asyncio.create_task(wait("a"))]
-            await asyncio.sleep(0.1)
+            await queued(1)
             blocking = threading.Thread(target=lambda: (handles["b"].begin_turn(wait=30), order.append("b")))
             blocking.start()
-            await asyncio.sleep(0.1)
+            await queued(2)
             cancelled = asyncio.create_task(wait("c"))
+            await queued(3)
             tasks.append(asyncio.create_task(wait("d")))
-            await asyncio.sleep(0.1)
-            assert scheduler.stats().queued == 4
+            await queued(4)
             cancelled.cancel()                       # a client that went away leaves the queue
-            await asyncio.sleep(0.1)
+            await queued(3)
             assert scheduler.stats().queued == 3
             current = holder
             for name in ("a", "b", "d"):

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import soxr
 
-from service_helpers import LONG_TEXT, PCM_TOLERANCE, TEXT, Server, native_ws_turns, pcm16
+from service_helpers import LONG_TEXT, PCM_TOLERANCE, TEXT, Server, metric, native_ws_turns, pcm16, wait_for
 
 DELTAS = [TEXT[i:i + 7] for i in range(0, len(TEXT), 7)]   # a token-streamed utterance
 API_KEY = "eleven-test-key"
@@ -202,9 +202,7 @@ def test_barge_in_stops_within_a_step_and_the_socket_goes_on(server, ended):
     assert len([m for m in after if m.get("audio")]) <= 8
     assert len(audio_of(nxt)) > 0
     assert refused["error"] == "context_closed" and refused["contextId"] == "long"
-    import httpx
-    metrics = httpx.get(server.base + "/metrics").text
-    assert "mossrt_generating_streams 0.0" in metrics
+    wait_for(lambda: metric(server, "mossrt_generating_streams") == 0, 10, "no stream generating")
 
 
 @pytest.mark.parametrize("fmt", ["pcm_8000", "pcm_16000", "pcm_22050", "pcm_44100", "pcm_48000", "ulaw_8000",

@@ -7,6 +7,8 @@ import json
 import os
 import random
 import shutil
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -438,3 +440,28 @@ def test_cli_fuzz_never_tracebacks(capsys, tmp_path, full_bundle_dir, codec_bund
         statuses[code] += 1
     print(f"CLI fuzz: {cases} runs, {statuses[0]} succeeded, {statuses[2]} refused with a message, 0 tracebacks")
     assert statuses[2] > cases // 2
+
+
+def test_negative_top_k_is_refused_by_the_cli(tmp_path):
+    """``--top-k`` is 0 (off) .. MAX_TOP_K: a negative value is a usage error (status 2), before any work."""
+    proc = subprocess.run([sys.executable, "-m", "mossrt.cli", "synth", "--bundle", str(tmp_path / "none"),
+                           "--text", "hi", "--out", str(tmp_path / "o.wav"), "--top-k", "-4611686018427387904"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "--top-k: must be an integer in 0..1048576" in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_a_bad_setting_names_its_flag_and_variable_or_only_its_variable(tmp_path):
+    """One declaration per setting: a bad value names the flag and the MOSSRT_* variable it came from; a
+    setting that is a variable only names only that (no flag that does not exist)."""
+    import os
+
+    env = {**os.environ, "MOSSRT_PREFIX_CACHE_BYTES": "-1"}
+    proc = subprocess.run([sys.executable, "-m", "mossrt.cli", "serve", "--voices-dir", str(tmp_path)], env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "prefix_cache_bytes (MOSSRT_PREFIX_CACHE_BYTES)" in proc.stderr, proc.stderr
+    assert "--prefix-cache-bytes" not in proc.stderr
+    env = {**os.environ, "MOSSRT_WS_TEXT_TIMEOUT": "0"}
+    proc = subprocess.run([sys.executable, "-m", "mossrt.cli", "serve", "--voices-dir", str(tmp_path)], env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "ws_text_timeout (--ws-text-timeout or MOSSRT_WS_TEXT_TIMEOUT)" in proc.stderr

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from conftest import exact_codes, golden, tolerance
+from service_helpers import wait_for
 
 TEXT_A = ("Welcome to the world of MOSS TTS Realtime. Experience how text transforms into smooth, "
           "human-like speech in real time, one small step after another.")
@@ -323,14 +324,12 @@ def test_admission_is_first_come_first_served_and_a_closed_slot_is_free_at_once(
 
             threads.append((threading.Thread(target=wait_for_slot), h))
             threads[-1][0].start()
-            time.sleep(0.15)             # arrive in this order
-        assert scheduler.stats().queued == 3
+            queued = len(threads)
+            wait_for(lambda: scheduler.stats().queued == queued, 10, f"{name} in the queue")   # arrive in order
         holder = b
         for i in range(3):
             holder.close()
-            deadline = time.monotonic() + 10
-            while len(order) < i + 1 and time.monotonic() < deadline:
-                time.sleep(0.01)
+            wait_for(lambda: len(order) == i + 1, 10, f"waiter {i + 1} admitted")
             holder = threads[i][1]
         assert order == ["first", "second", "third"]
         threads[2][1].close()
@@ -390,10 +389,7 @@ def test_a_stream_waiting_for_text_leaves_the_loop_asleep(model):
         h.begin_turn(max_frames=200, wait=60)
         ids = model.tokenizer.encode(" ".join(["a quiet loop sleeps"] * 20))
         h.push_token_ids(ids[:52])                     # 12 to prefill + 40 frames: ~3 s of audio ahead
-        deadline = time.monotonic() + 60
-        while h.stream.stats.stalls == 0:              # generated up to the end of the text
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
+        wait_for(lambda: h.stream.stats.stalls, 60, "generated up to the end of the text", interval=0.01)
         cpu = time.process_time()
         time.sleep(1.0)
         busy = time.process_time() - cpu

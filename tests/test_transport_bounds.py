@@ -47,6 +47,24 @@ def server(demo_bundle_dir, tmp_path_factory):
         yield s
 
 
+@pytest.fixture(scope="module")
+def localai(demo_bundle_dir, tmp_path_factory):
+    """``mossrt localai`` with the demo bundle loaded and the suite's stall timeout."""
+    from app.localai import backend_pb2 as pb
+
+    with Backend(tmp_path_factory.mktemp("localai") / "b.log") as b:
+        assert b.stub.LoadModel(pb.ModelOptions(Model=str(demo_bundle_dir), Options=[f"stall_timeout:{STALL_S}"]),
+                                timeout=120).success
+        yield b
+
+
+def localai_generating(b) -> bool:
+    """Whether the backend has a stream generating (Status BUSY), as LocalAI itself asks."""
+    from app.localai import backend_pb2 as pb
+
+    return b.stub.Status(pb.HealthMessage(), timeout=10).state == pb.StatusResponse.BUSY
+
+
 @pytest.fixture(autouse=True)
 def no_stream_left(request):
     """Every test leaves the server as it found it: no stream holds a slot."""
@@ -54,6 +72,9 @@ def no_stream_left(request):
     if "server" in request.fixturenames:
         s = request.getfixturevalue("server")
         wait_for(lambda: metric(s, "mossrt_active_streams") == 0, 30, "every slot free after the test")
+    if "localai" in request.fixturenames:
+        b = request.getfixturevalue("localai")
+        wait_for(lambda: not localai_generating(b), 30, "no LocalAI stream after the test")
 
 
 def ws_connect(server, t, *, sock=None, headers=AUTH, query="", **kw):
@@ -94,10 +115,16 @@ def frames_stopped(server, settle: float = 1.0) -> bool:
 
 
 # ---------------------------------------------------------------------------------------------- stalls
-@pytest.mark.parametrize("name", STREAMED_HTTP + WS_NAMES)
-def test_a_client_that_stops_reading_loses_its_stream(server, name):
+@pytest.mark.parametrize("name", STREAMED_HTTP + WS_NAMES + ["localai"])
+def test_a_client_that_stops_reading_loses_its_stream(request, name):
     """A client with a 4 KiB receive buffer that reads nothing: once the socket buffers are full the server's
-    send blocks; after the stall timeout the stream ends, its slot is free and the stall is counted."""
+    send blocks; after the stall timeout the stream ends, its slot is free and the stall is counted. LocalAI:
+    a caller that takes the first replies and then no more (HTTP/2's flow-control window fills, gRPC's send
+    waits) has its call cancelled after the stall timeout, and the backend is idle again."""
+    if name == "localai":
+        _localai_caller_that_stops_reading(request.getfixturevalue("localai"))
+        return
+    server = request.getfixturevalue("server")
     t = BY_NAME[name]
     before = metric(server, "mossrt_stalled_streams_total", transport=t.label)
     if name in STREAMED_HTTP:
@@ -121,6 +148,24 @@ def test_a_client_that_stops_reading_loses_its_stream(server, name):
                                     "its slot freed")
 
     asyncio.run(asyncio.wait_for(reader_that_stops(), 120))
+
+
+def _localai_caller_that_stops_reading(b) -> None:
+    from app.localai import backend_pb2 as pb
+    from app.localai import backend_pb2_grpc as pb_grpc
+
+    # without BDP probing the window stays at its initial 64 KiB: about 0.7 s of audio left unread fills it
+    with grpc.insecure_channel(b.addr, options=[("grpc.http2.bdp_probe", 0)]) as channel:
+        call = pb_grpc.BackendStub(channel).TTSStream(pb.TTSRequest(text=LONG), timeout=120)
+        replies = iter(call)
+        assert json.loads(next(replies).message) == {"sample_rate": 24000}
+        assert next(replies).audio
+        wait_for(lambda: b.log().count("took no audio") > 0, 60 + STALL_S, "the stalled call cancelled")
+        wait_for(lambda: not localai_generating(b), SLOT_BOUND_S, "the backend idle again")
+        with pytest.raises(grpc.RpcError) as ended:
+            for _ in replies:
+                pass
+        assert ended.value.code() == grpc.StatusCode.CANCELLED
 
 
 # ---------------------------------------------------------------------------------------------- the text clock
@@ -163,10 +208,16 @@ def test_a_turn_that_gets_no_more_text_gives_its_slot_back(server, name):
 
 
 # ---------------------------------------------------------------------------------------------- resets
-@pytest.mark.parametrize("name", [t.name for t in HTTP_TRANSPORTS] + WS_NAMES)
-def test_a_client_that_resets_frees_the_slot_and_stops_generation(server, name):
+@pytest.mark.parametrize("name", [t.name for t in HTTP_TRANSPORTS] + WS_NAMES + ["localai", "localai-tts"])
+def test_a_client_that_resets_frees_the_slot_and_stops_generation(request, name):
     """A client that resets (RST) one second into a long utterance: its slot is free within SLOT_BOUND_S and
-    no more frames are generated for it — a whole-body reply (/with-timestamps) as much as a streamed one."""
+    no more frames are generated for it — a whole-body reply (/with-timestamps) as much as a streamed one.
+    LocalAI: a call cancelled (HTTP/2 RST_STREAM) one second in, TTSStream and the whole-file TTS alike."""
+    if name.startswith("localai"):
+        _localai_call_cancelled_after_a_second(request.getfixturevalue("localai"), name == "localai-tts",
+                                               request.getfixturevalue("tmp_path"))
+        return
+    server = request.getfixturevalue("server")
     t = BY_NAME[name]
     # still generating long after the reset (within the input limit, and the WebSockets' 2,000-character buffer)
     text = " ".join([LONG] * 5)[:3900 if name in [h.name for h in HTTP_TRANSPORTS] else 1900]
@@ -204,6 +255,32 @@ def test_a_client_that_resets_frees_the_slot_and_stops_generation(server, name):
             pass
     wait_for(lambda: metric(server, "mossrt_active_streams") == 0, SLOT_BOUND_S, "the reset stream's slot freed")
     assert frames_stopped(server), "frames still generated after the reset"
+
+
+def _localai_call_cancelled_after_a_second(b, whole: bool, tmp) -> None:
+    from app.localai import backend_pb2 as pb
+
+    text = " ".join([LONG] * 5)[:3900]
+    if whole:
+        call = b.stub.TTS.future(pb.TTSRequest(text=text, dst=str(tmp / "cancelled.wav")), timeout=120)
+    else:
+        call = b.stub.TTSStream(pb.TTSRequest(text=text), timeout=120)
+        def listen():                       # a caller that takes every reply
+            try:
+                for _ in call:
+                    pass
+            except grpc.RpcError:
+                pass
+
+        threading.Thread(target=listen, daemon=True).start()
+    wait_for(lambda: localai_generating(b), 30, "the stream took its slot")
+    time.sleep(1)
+    assert localai_generating(b), "the stream was not generating before the cancel"
+    call.cancel()
+    wait_for(lambda: not localai_generating(b), SLOT_BOUND_S, "the cancelled stream's slot freed")
+    time.sleep(1)
+    assert not localai_generating(b), "generating again after the cancel"
+    assert not (tmp / "cancelled.wav").exists(), "a cancelled TTS wrote its file"
 
 
 # ---------------------------------------------------------------------------------------------- origin
@@ -420,6 +497,33 @@ def test_sigterm_drains_every_transport(demo_bundle_dir, tmp_path):
     assert ended["el-stream-input"]["isFinal"] and ended["el-multi-stream-input"]["isFinal"]
     assert status == 0 and took < 60, (status, took)
     assert "Traceback" not in s.log(), s.log()[-3000:]
+
+
+def test_sigterm_drains_localai(demo_bundle_dir, tmp_path):
+    """SIGTERM while a TTSStream streams: the call finishes with all its audio, a new call is refused
+    (UNAVAILABLE), the process exits 0 within the grace, with no traceback."""
+    from app.localai import backend_pb2 as pb
+
+    text = "Hello there, this is the last thing I say before the server goes away."
+    b = Backend(tmp_path / "b.log", "--grace", "60")
+    with b:
+        assert b.stub.LoadModel(pb.ModelOptions(Model=str(demo_bundle_dir)), timeout=120).success
+        whole = b"".join(r.audio for r in b.stub.TTSStream(pb.TTSRequest(text=text, params={"seed": "1"}),
+                                                           timeout=120))
+        replies = iter(b.stub.TTSStream(pb.TTSRequest(text=text, params={"seed": "1"}), timeout=120))
+        first = [next(replies), next(replies)]
+        signalled = time.monotonic()
+        b.proc.send_signal(signal.SIGTERM)
+        b.wait_log("stopping: running calls get", 30)
+        with pytest.raises(grpc.RpcError) as refused:
+            list(b.stub.TTSStream(pb.TTSRequest(text="Hi."), timeout=10))
+        drained = b"".join(r.audio for r in first + list(replies))
+        status = b.proc.wait(timeout=70)
+        took = time.monotonic() - signalled
+    assert refused.value.code() == grpc.StatusCode.UNAVAILABLE, refused.value
+    assert drained == whole, (len(drained), len(whole))
+    assert status == 0 and took < 60, (status, took)
+    assert "Traceback" not in b.log(), b.log()[-3000:]
 
 
 def test_a_forced_end_of_the_drain_is_one_log_line(demo_bundle_dir, tmp_path):

@@ -107,6 +107,8 @@ MODEL_OPTIONS: dict[str, ModelOption] = {
                                      "longest voice reference accepted, in seconds (default 30)"),
     "queue_timeout": ModelOption("queue_timeout", lambda w, t: parse_float(w, t, 0.0, 600.0),
                                  "seconds a request waits for a free stream slot before RESOURCE_EXHAUSTED (10)"),
+    "stall_timeout": ModelOption("stall_timeout", lambda w, t: parse_float(w, t, 0.001, 3600.0),
+                                 "seconds a TTSStream waits for its caller to take audio before it is cancelled (30)"),
     "verify": ModelOption("verify", lambda w, t: parse_choice(w, t, _VERIFY),
                           "bundle check at load: quick (sizes, default), full (every sha256) or off"),
     "load_timeout": ModelOption("load_timeout", lambda w, t: parse_float(w, t, 1.0, 86_400.0),
@@ -151,6 +153,7 @@ class LoadConfig:
     max_input_chars: int | None = None
     max_voice_seconds: float | None = None
     queue_timeout: float | None = None
+    stall_timeout: float | None = None
     verify: str | None = None
     load_timeout: float = 1800.0
     default_voice: str | None = None

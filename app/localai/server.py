@@ -27,6 +27,7 @@ from __future__ import annotations
 import collections
 import ctypes
 import functools
+import itertools
 import gc
 import hashlib
 import hmac
@@ -245,6 +246,33 @@ class _Job:
     sample_rate: int
 
 
+class _SendWatch:
+    """A call's sends, watched by one thread: a send that takes longer than ``seconds`` calls ``on_stall``
+    once (the stall timeout, as for every transport)."""
+
+    def __init__(self, seconds: float, on_stall: Callable[[], None]):
+        self.seconds, self.on_stall = seconds, on_stall
+        self._since: float | None = None
+        self._stop = threading.Event()
+        threading.Thread(target=self._run, name="localai-send-watch", daemon=True).start()
+
+    def sending(self) -> None:
+        self._since = time.monotonic()
+
+    def sent(self) -> None:
+        self._since = None
+
+    def close(self) -> None:
+        self._stop.set()
+
+    def _run(self) -> None:
+        while not self._stop.wait(min(0.25, self.seconds / 4)):
+            since = self._since
+            if since is not None and time.monotonic() - since > self.seconds:
+                self.on_stall()
+                return
+
+
 # ---------------------------------------------------------------------------------------------- the servicer
 class MossTTSBackend(pb_grpc.BackendServicer):
     """``Health``, ``LoadModel``, ``TTS``, ``TTSStream``, ``Status``, ``Free``; every other RPC of the
@@ -283,7 +311,8 @@ class MossTTSBackend(pb_grpc.BackendServicer):
                  "max_streams": cfg.max_streams or d.max_streams,
                  "threads": cfg.threads if cfg.threads is not None else d.threads,
                  "max_context_rows": cfg.max_context_rows, "max_input_chars": cfg.max_input_chars,
-                 "max_voice_seconds": cfg.max_voice_seconds, "queue_timeout": cfg.queue_timeout, "verify": cfg.verify}
+                 "max_voice_seconds": cfg.max_voice_seconds, "queue_timeout": cfg.queue_timeout, "verify": cfg.verify,
+                 "stall_timeout": cfg.stall_timeout}
         try:
             return ServerSettings(**{k: v for k, v in given.items() if v is not None})
         except ValidationError as e:
@@ -479,19 +508,34 @@ class MossTTSBackend(pb_grpc.BackendServicer):
 
     @_streaming
     def TTSStream(self, request, context):
+        """The sample rate, then the audio as it is generated. gRPC's send of each reply waits for the caller
+        to take it (flow control): one it does not take within the stall timeout cancels the call, which
+        closes the stream (its slot freed), as every other transport does."""
         loaded = self._require_loaded(request)
         job = self._prepare(loaded, request)
         pieces = self._pcm(loaded, job, context, "TTSStream")
+        stall = loaded.service.policy.stall_timeout
+
+        def stalled():
+            self.metrics.stalled.labels("localai").inc()
+            log.warning("TTSStream: the caller took no audio for %g s; call cancelled", stall)
+            if context is not None:
+                context.cancel()
+
+        watch = _SendWatch(stall, stalled)
         try:
             first = next(pieces, None)           # the turn is admitted (or failed) before any reply is sent
-            yield pb.Reply(message=json.dumps({"sample_rate": job.sample_rate}).encode())
-            for data in ([first] if first is not None else []):
+            replies = [pb.Reply(message=json.dumps({"sample_rate": job.sample_rate}).encode())]
+            for data in itertools.chain([first], pieces):
                 if data:
-                    yield pb.Reply(audio=data)
-            for data in pieces:
-                if data:
-                    yield pb.Reply(audio=data)
+                    replies.append(pb.Reply(audio=data))
+                for reply in replies:
+                    watch.sending()
+                    yield reply                  # returns once gRPC has sent it
+                    watch.sent()
+                replies = []
         finally:
+            watch.close()
             pieces.close()
 
     # ------------------------------------------------------------------ request plumbing
