@@ -1,8 +1,8 @@
 """One error catalogue: every error the service answers is a row (code → HTTP status, OpenAI error type, gRPC
 status), raised as :class:`ApiError` with its code and message, and rendered by each protocol in its own shape:
 
-- OpenAI routes: ``{"error": {"message", "type", "param", "code"}}`` (:meth:`ApiError.openai`);
-- ElevenLabs HTTP: ``{"detail": {"status": code, "message"}}`` (:meth:`ApiError.elevenlabs`);
+- OpenAI routes: ``{"error": {"message", "type", "param", "code"}}`` (:meth:`ApiError.response`);
+- ElevenLabs HTTP: ``{"detail": {"status": code, "message"}}`` (:meth:`ApiError.elevenlabs_response`);
 - our WebSocket: ``{"type": "error", "error": {"type", "code", "message"}, "fatal"}``, fatal ones closed with
   a 4xxx code (:func:`close_code`);
 - ElevenLabs WebSockets: ``{"error": code, "message", "contextId"?}``, fatal ones closed with 1008/1011;
@@ -36,39 +36,91 @@ class Row:
     status: int                  # HTTP status
     type: str                    # OpenAI's error type
     grpc: str                    # grpc.StatusCode name
+    meaning: str                 # what a client did or met (docs/errors.md shows it)
 
 
-def _rows(status: int, type_: str, grpc: str, *codes: str) -> dict[str, Row]:
-    return {code: Row(status, type_, grpc) for code in codes}
+def _rows(status: int, type_: str, grpc: str, **meanings: str) -> dict[str, Row]:
+    return {code: Row(status, type_, grpc, meaning) for code, meaning in meanings.items()}
 
 
 CATALOGUE: dict[str, Row] = {
     # the request or message is wrong: nothing was done
     **_rows(400, BAD, "INVALID_ARGUMENT",
-            "invalid_json", "invalid_multipart", "invalid_value", "invalid_message", "missing_parameter",
-            "missing_body", "empty_input", "input_too_long", "invalid_audio", "voice_not_found", "voice_unusable",
-            "reserved_name", "invalid_content_length", "invalid_output_format", "unknown_type",
-            "binary_not_expected", "message_too_large", "cors_refused", "stream_closed"),
+            invalid_json="the body or message is not JSON the parser takes (malformed, invalid UTF-8, a number "
+                         "or nesting beyond its limits)",
+            invalid_multipart="a multipart body without a boundary, or otherwise unreadable",
+            invalid_value="a field has a value out of its range or of the wrong kind (the param names it)",
+            invalid_message="a WebSocket message that is not a JSON object of the protocol's shape",
+            missing_parameter="a required field is absent",
+            missing_body="the request has no body",
+            empty_input="the text is empty or only whitespace",
+            input_too_long="the text is over the character limit, or cannot be spoken whole within a stream's "
+                           "context and frame limit",
+            invalid_audio="an upload or input.user audio that does not decode, or is over its bounds",
+            voice_not_found="no voice of that name or id (ElevenLabs WebSockets: closed with 1008)",
+            voice_unusable="a registered voice that this bundle cannot use (encoded by another codec)",
+            reserved_name="a voice name that is one of OpenAI's built-in voices",
+            invalid_content_length="a Content-Length that is not a number",
+            invalid_output_format="an ElevenLabs output_format that is not offered (the message lists them)",
+            unknown_type="a WebSocket message type the protocol does not have",
+            binary_not_expected="a binary WebSocket frame where only text frames are read",
+            message_too_large="a WebSocket message over --ws-max-message-bytes",
+            cors_refused="a CORS preflight from an origin not in --cors-origin",
+            stream_closed="a request on a stream that has already closed"),
     # the session's state refuses it (WebSockets): the session goes on
     **_rows(400, BAD, "FAILED_PRECONDITION",
-            "voice_locked", "seed_locked", "turn_in_progress", "no_turn", "no_response", "turn_refused",
-            "response_ended", "context_closed", "text_timeout"),
+            voice_locked="session.update changes the voice after the first turn began",
+            seed_locked="session.update changes the seed after the first turn began",
+            turn_in_progress="a message that needs no turn running (session.update, input.user) during one",
+            no_turn="input.done with no turn open",
+            no_response="response.cancel or response.truncate with no response to act on",
+            turn_refused="text for a turn that could not open (the error before says why); dropped",
+            response_ended="text after the response ended: it was not spoken",
+            context_closed="ElevenLabs: text for a context after its close_context",
+            text_timeout="an open turn got no text it could speak for --ws-text-timeout: its text was ended "
+                         "for it and it speaks what it has"),
     # a bound of what one client may hold
-    **_rows(400, BAD, "RESOURCE_EXHAUSTED", "text_buffer_full", "too_many_contexts", "max_turns"),
-    **_rows(401, BAD, "UNAUTHENTICATED", "invalid_api_key"),
-    **_rows(403, BAD, "PERMISSION_DENIED", "forbidden_origin", "output_path_refused"),
-    **_rows(404, BAD, "NOT_FOUND", "not_found", "model_not_found"),
-    **_rows(405, BAD, "UNIMPLEMENTED", "method_not_allowed"),
-    **_rows(408, BAD, "DEADLINE_EXCEEDED", "request_timeout", "idle_timeout", "input_timeout_exceeded",
-            "auth_timeout", "client_stalled"),
-    **_rows(409, BAD, "ALREADY_EXISTS", "voice_exists"),
-    **_rows(409, BAD, "RESOURCE_EXHAUSTED", "voice_limit_reached"),
-    **_rows(413, BAD, "INVALID_ARGUMENT", "request_too_large", "file_too_large"),
-    **_rows(422, BAD, "INVALID_ARGUMENT", "invalid_request"),
-    **_rows(429, LIMIT, "RESOURCE_EXHAUSTED", "no_capacity"),
-    **_rows(503, SERVER, "UNAVAILABLE", "loading", "warming", "draining", "engine_broken", "unavailable"),
-    **_rows(503, SERVER, "FAILED_PRECONDITION", "load_failed"),
-    **_rows(500, SERVER, "INTERNAL", "engine_error", "internal_error"),
+    **_rows(400, BAD, "RESOURCE_EXHAUSTED",
+            text_buffer_full="text received but not yet spoken would exceed --ws-max-buffered-chars (per "
+                             "socket); refused, the session goes on",
+            too_many_contexts="an ElevenLabs multi-context socket opening more than --ws-max-contexts",
+            max_turns="a socket's --ws-max-turns reached: the socket closes"),
+    **_rows(401, BAD, "UNAUTHENTICATED",
+            invalid_api_key="no key or a wrong one, checked before any other work"),
+    **_rows(403, BAD, "PERMISSION_DENIED",
+            forbidden_origin="a WebSocket upgrade from a browser origin not in --cors-origin (HTTP 403 at the "
+                             "handshake)"),
+    **_rows(404, BAD, "NOT_FOUND",
+            not_found="no such route, or no registered voice of that id",
+            model_not_found="GET /v1/models/{id} of a model the service does not serve"),
+    **_rows(405, BAD, "UNIMPLEMENTED", method_not_allowed="the route does not take that method"),
+    **_rows(408, BAD, "DEADLINE_EXCEEDED",
+            request_timeout="the body did not arrive within --body-timeout",
+            idle_timeout="a socket with no turn running sent nothing for --ws-idle-timeout: closed",
+            input_timeout_exceeded="ElevenLabs: no message for the socket's inactivity_timeout: closed",
+            auth_timeout="ElevenLabs: a socket without a key in its handshake sent none within "
+                         "--ws-auth-timeout: closed",
+            client_stalled="the client took no audio for --stall-timeout: its stream ended (a status in "
+                           "mossrt_requests_total; on a socket, the close)"),
+    **_rows(409, BAD, "ALREADY_EXISTS", voice_exists="a voice of that name is registered"),
+    **_rows(409, BAD, "RESOURCE_EXHAUSTED",
+            voice_limit_reached="--max-voices voices are registered; delete one first"),
+    **_rows(413, BAD, "INVALID_ARGUMENT",
+            request_too_large="a JSON body over --max-body-bytes, refused before it is read or parsed",
+            file_too_large="an upload over --max-upload-bytes"),
+    **_rows(422, BAD, "INVALID_ARGUMENT",
+            invalid_request="ElevenLabs: a body or first message whose fields do not validate"),
+    **_rows(429, LIMIT, "RESOURCE_EXHAUSTED",
+            no_capacity="no stream slot freed within --queue-timeout (Retry-After: 1)"),
+    **_rows(503, SERVER, "UNAVAILABLE",
+            loading="the model is loading (Retry-After: 5)",
+            warming="the batch buckets and the first synthesis are warming up (Retry-After: 5)",
+            draining="the server is shutting down: no new streams (Retry-After: 1)",
+            engine_broken="the engine failed for good (see /ready): the process is to be replaced"),
+    **_rows(503, SERVER, "FAILED_PRECONDITION", load_failed="the model failed to load (see /ready)"),
+    **_rows(500, SERVER, "INTERNAL",
+            engine_error="generation failed after it began (x-should-retry: false)",
+            internal_error="an unexpected failure in the service (logged with its request id)"),
 }
 RETRY_HEADERS = {"no_capacity": {"Retry-After": str(RETRY_AFTER_SECONDS)},
                  "draining": {"Retry-After": str(RETRY_AFTER_SECONDS)},
@@ -134,6 +186,17 @@ def close_code(err: ApiError, protocol: str = "ws") -> int:
     if err.status == 503:
         return CLOSE_UNAVAILABLE
     return CLOSE_INTERNAL if err.status >= 500 else CLOSE_POLICY
+
+
+def catalogue_table() -> str:
+    """The Markdown table of every error code (``docs/errors.md`` holds it; a test keeps them equal)."""
+    rows = ["| code | HTTP | OpenAI type | gRPC | close when fatal (ours / ElevenLabs) | meaning |",
+            "|---|---|---|---|---|---|"]
+    for code, row in CATALOGUE.items():
+        err = ApiError(code, "")
+        rows.append(f"| `{code}` | {row.status} | `{row.type}` | `{row.grpc}` | {close_code(err)} / "
+                    f"{close_code(err, 'elevenlabs')} | {row.meaning} |")
+    return "\n".join(rows)
 
 
 def grpc_status(err: ApiError) -> str:

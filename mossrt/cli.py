@@ -172,7 +172,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     rp = sub.add_parser("replay", help="drive a streaming session from a JSON script")
     bundle_flag(rp)
-    rp.add_argument("script", help="JSON script (see the README)")
+    rp.add_argument("script", help="JSON script (see docs/cli.md)")
     rp.add_argument("--out-dir", required=True, help="directory for turn{i}_codes.npy and turn{i}.wav")
     sampling_flags(rp)
     rp.add_argument("--max-frames", type=any_int, help=f"frame limit per turn (1..{HARD_MAX_FRAMES})")

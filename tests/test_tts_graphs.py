@@ -449,7 +449,7 @@ def _agreement(bundle_dir) -> dict:
 
 
 # int4 (4-bit, one scale per block of 32 inputs) on this hidden-32 random model: 12.8% / 67.6% / 1.7%;
-# real-model quality cannot be measured here (no trained weights), see the README.
+# real-model quality cannot be measured here (no trained weights), see docs/parity.md.
 INT4_FLOOR, INT4_FLOOR0 = 0.10, 0.60
 
 

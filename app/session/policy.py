@@ -32,7 +32,7 @@ def bearer(value: str | None) -> str | None:
 
 @dataclass(frozen=True)
 class SessionPolicy:
-    """The bounds of one client session, whatever its transport (see the README's bounds table)."""
+    """The bounds of one client session, whatever its transport (docs/operations.md lists every bound)."""
 
     api_keys: tuple[str, ...]
     cors_origins: tuple[str, ...]
