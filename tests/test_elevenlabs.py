@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import soxr
 
+from alignment_checks import assert_follows_the_audio, ws_chars
 from service_helpers import LONG_TEXT, PCM_TOLERANCE, TEXT, Server, metric, native_ws_turns, pcm16, wait_for
 
 DELTAS = [TEXT[i:i + 7] for i in range(0, len(TEXT), 7)]   # a token-streamed utterance
@@ -86,45 +87,9 @@ def test_multi_context_pcm_equals_our_websocket_and_alignment_covers_the_text(se
     assert first[-1] == {"isFinal": True, "contextId": "c1"} and "audio" not in first[-1]
     assert len(audio_of(second)) > 0
     for messages in (first, second):
-        chars, t = [], 0.0
-        clock = 0.0
-        for m in messages[:-1]:
-            a = m["alignment"]
-            assert m["normalizedAlignment"] == a
-            if a:
-                assert len(a["chars"]) == len(a["charStartTimesMs"]) == len(a["charDurationsMs"])
-                starts = [clock + s for s in a["charStartTimesMs"]]
-                assert starts == sorted(starts) and starts[0] >= t
-                t = starts[-1]
-                chars += a["chars"]
-            clock += len(base64.b64decode(m["audio"])) / 48       # ms of 24 kHz s16 audio
-            assert t <= clock
-        assert "".join(chars) == TEXT
-
-
-def test_alignment_follows_what_the_model_read(server, model):
-    """The characters aligned up to each audio message are exactly those of the ids fed by then: the first
-    frame read the first 12 ids (the text lead), each later frame at most one more; the rest (none here)
-    comes with the last message."""
-    import websockets
-
-    ids = model.tokenizer.encode(TEXT)
-    lead = model.layout.text_lead
-
-    async def run():
-        async with websockets.connect(multi(server), max_size=None) as w:
-            await w.send(json.dumps({"text": TEXT, "context_id": "a"}))
-            await w.send(json.dumps({"context_id": "a", "flush": True}))
-            await w.send(json.dumps({"context_id": "a", "close_context": True}))
-            return await context_messages(w, "a")
-
-    read, fed = "", None
-    for m in asyncio.run(run())[:-1]:
-        read += "".join(m["alignment"]["chars"]) if m["alignment"] else ""
-        n = next(n for n in range(len(ids) + 1) if model.tokenizer.decode(ids[:n]) == read)
-        assert n == lead if fed is None else n in (fed, fed + 1), (fed, n, read)
-        fed = n
-    assert read == TEXT and fed == len(ids)
+        chars, audio = ws_chars(messages[:-1])
+        assert "".join(c.char for c in chars) == TEXT
+        assert_follows_the_audio(chars, audio, TEXT)
 
 
 def test_alignment_covers_the_characters_as_sent(server):

@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from app.speech_timing import ALPHABETIC_CPS, RATE_BOUNDS
 from service_helpers import PCM_TOLERANCE, Server, native_ws_turns, pcm16
 
 REPO = Path(__file__).resolve().parents[1]
@@ -61,8 +62,11 @@ def metric(server, name: str) -> float:
 
 def test_pipecat_elevenlabs_tts_service(server, tmp_path):
     """pipecat's ElevenLabsTTSService(url=ws://...) speaks two token-streamed bot utterances (two turns of one
-    conversation: PCM equal to our WebSocket's two turns), then one interrupted after its first audio
-    (the server stops it, and speaks the next utterance on the same socket). Word timestamps in order."""
+    conversation: PCM equal to our WebSocket's two turns), then one interrupted while the LLM still writes and
+    one interrupted after it finished (flush and close_context sent: the interruption is a second
+    close_context); the server stops both, and speaks the utterance between on the same socket. Word
+    timestamps in order; for an interrupted utterance the words pipecat reports are a prefix of its text,
+    all within the audio it had received by the interruption, and none come after it."""
     python = client_python("pipecat")
     out = tmp_path / "pipecat.json"
     frames_before = metric(server, "mossrt_frames_generated_total")
@@ -71,8 +75,8 @@ def test_pipecat_elevenlabs_tts_service(server, tmp_path):
     assert proc.returncode == 0, proc.stderr[-4000:]
     frames = metric(server, "mossrt_frames_generated_total") - frames_before
     utterances = json.loads(out.read_text())["utterances"]
-    assert len(utterances) == 4, [len(u["words"]) for u in utterances]
-    first, second, interrupted, after = utterances
+    assert len(utterances) == 5, [len(u["words"]) for u in utterances]
+    first, second, interrupted, after, finished = utterances
     ref = asyncio.run(native_ws_turns(server, [SCRIPT["first"], SCRIPT["second"]]))
     for got, want in ((first, ref[0]), (second, ref[1])):
         a, b = pcm16(base64.b64decode(got["pcm"])), pcm16(want)
@@ -82,37 +86,72 @@ def test_pipecat_elevenlabs_tts_service(server, tmp_path):
         assert words == "".join(tokens).split()
         times = [t for _, t in u["words"]]
         assert times == sorted(times)
-    # the interrupted utterance: some audio, far less than its text would take, and nothing generated for it
-    # after the interruption beyond what pipecat already had (the whole run's frames are the four turns')
+    long_words = "".join(SCRIPT["long"]).split()
+    for u in (interrupted, finished):
+        words, times = [w for w, _ in u["words"]], [t for _, t in u["words"]]
+        at = u["at_interruption"]
+        received_s = at["pcm_bytes"] / 48000
+        assert len(words) == at["words"], (words, at)                 # none reported after the interruption
+        assert words == long_words[:len(words)] and times == sorted(times)
+        if words:
+            # pts in ns: the words span no more than the audio received (its first word starts at or after
+            # the audio's start), give or take a frame still queued in pipecat's audio context
+            assert (times[-1] - times[0]) / 1e9 <= received_s + 0.08, (times, received_s)
+        # and no more than the clock's fastest rate could have said in it
+        assert len(" ".join(words)) <= received_s * ALPHABETIC_CPS * RATE_BOUNDS[1] + 2, (words, received_s)
+    # while the LLM still writes pipecat 1.14 holds its word frames (with either clock); once it has finished
+    # it reports them as their alignment comes: a few words for 1.5 s of audio, not the read clock's dozens
+    assert 0 < len(finished["words"])
+    # nothing generated after the interruptions beyond what pipecat already had
     spoken = sum(len(base64.b64decode(u["pcm"])) // 3840 for u in (first, second, after))
-    assert 0 < len(base64.b64decode(interrupted["pcm"])) // 3840 < len(SCRIPT["long"])
-    assert frames - spoken - 3 < len(SCRIPT["long"]) // 2     # (+1 EOS frame per finished turn)
+    for u in (interrupted, finished):
+        assert 0 < len(base64.b64decode(u["pcm"])) // 3840 < len(SCRIPT["long"])
+    heard = sum(len(base64.b64decode(u["pcm"])) // 3840 for u in (interrupted, finished))
+    assert frames - spoken - heard - 3 < len(SCRIPT["long"]) // 2     # (+1 EOS frame per finished turn)
     assert metric(server, "mossrt_generating_streams") == 0
 
 
 def test_livekit_plugins_elevenlabs_stream(server):
     """livekit-plugins-elevenlabs' streaming TTS (base_url=http://.../v1, its default word tokenizer and
-    inactivity timeout): the PCM equals our WebSocket's for the words it sends, its timed transcript is in
-    order and covers the text."""
+    inactivity timeout): the PCM equals our WebSocket's for the words it sends; its timed transcript gives every
+    word once, in order, each attached to the audio that carries it and within the audio, never sooner than
+    the speech clock's fastest rate. (livekit 1.8.9 reads a message's times as counted from the context's start,
+    pipecat and ElevenLabs from the previous message's span, which we follow: livekit's times are therefore
+    offsets within a message, a word across two messages may end before it starts, but *which* words it has,
+    and when it has them, follow the speech.)"""
     import aiohttp
+    from livekit.agents.types import USERDATA_TIMED_TRANSCRIPT
     from livekit.plugins import elevenlabs
 
-    async def run():
+    async def run(tokens):
         async with aiohttp.ClientSession() as session:
             tts = elevenlabs.TTS(voice_id="default", api_key="unused-key", base_url=server.base + "/v1",
                                  encoding="pcm_24000", http_session=session)
             stream = tts.stream()
-            for token in SCRIPT["first"]:
+            for token in tokens:
                 stream.push_text(token)
             stream.end_input()
             pcm, words = b"", []
             async for ev in stream:
                 pcm += bytes(ev.frame.data)
+                for timed in ev.frame.userdata.get(USERDATA_TIMED_TRANSCRIPT, []):
+                    words.append((str(timed), timed.start_time, timed.end_time, len(pcm) / 48000))
             await stream.aclose()
             await tts.aclose()
             return pcm, words
 
-    pcm, _ = asyncio.run(run())
+    pcm, words = asyncio.run(run(SCRIPT["first"]))
+    for tokens in (SCRIPT["first"], SCRIPT["long"]):      # the long one speaks ~14 s: most words come early
+        got, timed = (pcm, words) if tokens is SCRIPT["first"] else asyncio.run(run(tokens))
+        assert "".join(w for w, *_ in timed).split() == "".join(tokens).split()
+        said, total = 0, len(got) / 48000
+        for i, (word, start, end, received_s) in enumerate(timed):
+            said += len(word)
+            assert 0 <= start and end <= total, timed[i]     # (a word across two messages: see above)
+            # livekit re-frames the audio and attaches words to its next frame; the last message has the rest
+            if received_s < total - 0.5:
+                assert said <= (received_s + 0.1) * ALPHABETIC_CPS * RATE_BOUNDS[1] + 2, (timed[:i + 1], received_s)
+        assert tokens is SCRIPT["first"] or sum(r < total - 0.5 for *_, r in timed) >= 10
     sent = [w + " " for w in FIRST.split()]           # livekit sends words, each ending with a space
     ref = asyncio.run(native_ws_turns(server, [sent]))[0]
     a, b = pcm16(pcm), pcm16(ref)

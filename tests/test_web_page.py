@@ -2,7 +2,7 @@
 real ``mossrt serve`` process. It loads, lists the voices, speaks a typed sentence over the WebSocket and
 plays the binary PCM frames with Web Audio (headless Chromium plays into a fake output device).
 
-Chromium comes from the distribution (``bash .ci/install-browser.sh`` installs it), not from
+Chromium comes from the distribution (``bash .ci/install-debian.sh`` installs it), not from
 ``playwright install``: the test skips, loudly, when ``/usr/bin/chromium`` is missing.
 
 ``MOSSRT_SAVE_SCREENSHOT=1`` also copies the screenshot to ``tests/artifacts/web_page.png``.
@@ -43,7 +43,7 @@ def chromium(request) -> Path:
     """Debian's chromium, or a loud skip (before anything is built or started)."""
     if not CHROMIUM.exists():
         banner = (f"\n{'#' * 78}\n# SKIPPED tests/test_web_page.py: the web page test needs Debian's chromium at "
-                  f"{CHROMIUM}.\n# Install it with:  bash .ci/install-browser.sh   (apt-get install chromium)\n"
+                  f"{CHROMIUM}.\n# Install it with:  bash .ci/install-debian.sh   (apt-get install chromium)\n"
                   f"{'#' * 78}")
         capture = request.config.pluginmanager.get_plugin("capturemanager")
         if capture is not None:
@@ -51,7 +51,7 @@ def chromium(request) -> Path:
                 print(banner, flush=True)
         else:
             print(banner)
-        pytest.skip(f"chromium not installed at {CHROMIUM}: run `bash .ci/install-browser.sh` to install it")
+        pytest.skip(f"chromium not installed at {CHROMIUM}: run `bash .ci/install-debian.sh` to install it")
     pytest.importorskip("playwright.sync_api", reason="the playwright package is not installed")
     return CHROMIUM
 

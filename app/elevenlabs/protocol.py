@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 
@@ -44,6 +44,7 @@ class ConnectionParams(BaseModel):
     enable_logging: bool = True
     enable_ssml_parsing: bool = False
     apply_text_normalization: str | None = None
+    alignment: Literal["speech", "read"] = "speech"   # ours: when a character is sent (docs/api-elevenlabs.md)
 
     @classmethod
     def from_query(cls, query) -> "ConnectionParams":

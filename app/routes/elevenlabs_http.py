@@ -21,7 +21,7 @@ from starlette.concurrency import run_in_threadpool
 from engine.errors import EngineError
 from engine.handles import AsyncSink
 
-from ..elevenlabs.alignment import FRAME_MS, Aligner
+from ..elevenlabs.alignment import CLOCKS, Aligner
 from ..elevenlabs.formats import parse_output_format
 from ..errors import ApiError, from_engine, json_error
 from ..metrics import StreamMeter
@@ -96,6 +96,9 @@ async def _speak(voice_id: str, request: Request, timestamps: str | None):
     try:
         service.require_ready()
         fmt = parse_output_format(request.query_params.get("output_format"))
+        clock = request.query_params.get("alignment", "speech")
+        if clock not in CLOCKS:
+            raise ApiError("invalid_value", f"alignment {clock!r}: one of {', '.join(CLOCKS)}", "alignment")
         body = await _body(request)
         voice = await run_in_threadpool(service.resolve_voice, voice_id, "voice_id")   # reads its codes
         seed = body.seed if body.seed is not None else service.settings.elevenlabs_seed
@@ -111,10 +114,11 @@ async def _speak(voice_id: str, request: Request, timestamps: str | None):
         return from_engine(e).elevenlabs_response()
     meter = StreamMeter(metrics, "elevenlabs_http", request.state.started)
     end = StreamEnd(handle, TurnAudio(meter, encoder=encoder), metrics, endpoint)
-    chunks = _chunks(end, Aligner() if timestamps else None, body.text)
+    aligner = Aligner(clock) if timestamps else None
+    chunks = _chunks(end, aligner, body.text)
     headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no", "X-Request-Id": request.state.request_id}
     if timestamps == "whole":
-        reply = await whole(request, end, _whole(chunks))
+        reply = await whole(request, end, _whole(chunks, aligner))
         return JSONResponse(reply if reply is not None else {}, headers=headers)
     stall = service.policy.stall_timeout
     if timestamps:
@@ -124,35 +128,32 @@ async def _speak(voice_id: str, request: Request, timestamps: str | None):
 
 
 async def _chunks(end: StreamEnd, aligner: Aligner | None, text: str):
-    """(encoded bytes, alignment with absolute times in seconds or None) per frame, then the tail."""
-    offset_ms = 0.0
+    """(encoded bytes, alignment in seconds from the start or None) per frame, then the tail."""
     if aligner is not None:
         aligner.add(text)
     async for out in outs(end):
         if isinstance(out, Failed):
             return                               # logged and counted by outs; the body just ends
         if isinstance(out, Audio):
-            yield out.data, _absolute(aligner.frame(out.frame.text_chars) if aligner else None, offset_ms)
-            offset_ms += FRAME_MS
+            span = aligner.frame(out.frame.text_chars, out.frame.audio) if aligner else None
+            yield out.data, span.seconds() if span is not None else None
         else:
-            yield out.tail, _absolute(aligner.rest() if aligner else None, offset_ms)
+            span = aligner.rest() if aligner else None
+            yield out.tail, span.seconds() if span is not None else None
 
 
-def _absolute(span: dict | None, offset_ms: float) -> dict | None:
-    if span is None:
-        return None
-    starts = [(offset_ms + s) / 1000 for s in span["charStartTimesMs"]]
-    return {"characters": span["chars"], "character_start_times_seconds": starts,
-            "character_end_times_seconds": [s + d / 1000 for s, d in zip(starts, span["charDurationsMs"])]}
-
-
-async def _whole(chunks) -> dict:
+async def _whole(chunks, aligner: Aligner) -> dict:
+    """The whole reply: its audio once, and its alignment re-timed knowing where the speech ended (the
+    speech clock; the read clock's spans as they came)."""
     audio: list[bytes] = []
     merged = {"characters": [], "character_start_times_seconds": [], "character_end_times_seconds": []}
     async for data, alignment in chunks:
         audio.append(data)
         for key in merged if alignment else ():
             merged[key] += alignment[key]
+    final = aligner.final()
+    if final is not None:
+        merged = final.seconds()
     return {"audio_base64": base64.b64encode(b"".join(audio)).decode(), "alignment": merged,
             "normalized_alignment": merged}
 

@@ -128,6 +128,7 @@ class ElevenLabsSession(WireSession):
         except ApiError as e:
             raise SessionEnd(e) from None
         seed = params.seed if params.seed is not None else self.service.settings.elevenlabs_seed
+        self.alignment = params.alignment
         self.conversation = Conversation(self.service, self.policy, voice, seed)
         # the client's inactivity_timeout, at most the server's idle timeout (a socket holds its slot)
         self.inactivity = min(float(params.inactivity_timeout or DEFAULT_INACTIVITY_TIMEOUT), self.policy.idle_timeout)
@@ -214,7 +215,7 @@ class ElevenLabsSession(WireSession):
             if len(self.contexts) >= self.policy.max_contexts:
                 raise ApiError("too_many_contexts", f"at most {self.policy.max_contexts} contexts may be open on one "
                                "socket: close one first", "context_id")
-            ctx = self.contexts[cid] = Context(cid)
+            ctx = self.contexts[cid] = Context(cid, aligner=Aligner(self.alignment))
             if msg.text == " ":
                 return          # the context-opening " " (it carries the ignored voice settings)
         if (ctx.close_requested or ctx.cancelled) and not (msg.text or msg.flush):
@@ -224,8 +225,9 @@ class ElevenLabsSession(WireSession):
                            "context_id")
         if text:
             self._check_room(ctx, len(text))
-            ctx.aligner.add(text)
-            if self.active is ctx and not ctx.turn_ended:
+            speaking = self.active is ctx and not ctx.turn_ended
+            ctx.aligner.add(text, current=speaking)
+            if speaking:
                 self.conversation.push_text(text)
             else:
                 ctx.pending.append(text)        # its turn opens later (after a flush: its next turn)
@@ -346,9 +348,10 @@ class ElevenLabsSession(WireSession):
     async def on_audio(self, out: Audio) -> None:
         ctx = self.active
         ctx.frames_sent += 1
-        span = ctx.aligner.frame(out.frame.text_chars, FRAME_MS)
+        span = ctx.aligner.frame(out.frame.text_chars, out.frame.audio, FRAME_MS)
+        alignment = span.message() if span is not None else None
         await self.send_json(self._tag({"audio": base64.b64encode(out.data).decode(), "isFinal": None,
-                                        "alignment": span, "normalizedAlignment": span}, ctx))
+                                        "alignment": alignment, "normalizedAlignment": alignment}, ctx))
 
     async def on_failed(self, err: ApiError) -> None:
         await self.error(err, context_id=self.active.id if self.active is not None else None)
@@ -357,10 +360,11 @@ class ElevenLabsSession(WireSession):
         ctx = self.active
         reason = out.stats.finish_reason
         self.metrics.requests.labels(self.path, "200" if reason is not FinishReason.ERROR else "500").inc()
-        span = None if ctx.cancelled else ctx.aligner.rest()
-        if out.tail or span:
+        span = None if ctx.cancelled or reason is FinishReason.CANCELLED else ctx.aligner.rest()
+        alignment = span.message() if span is not None else None
+        if out.tail or alignment:
             await self.send_json(self._tag({"audio": base64.b64encode(out.tail).decode(), "isFinal": None,
-                                            "alignment": span, "normalizedAlignment": span}, ctx))
+                                            "alignment": alignment, "normalizedAlignment": alignment}, ctx))
         if reason is FinishReason.CANCELLED:
             try:   # keep in the conversation only what was sent
                 self.conversation.truncate_turn(ctx.frames_sent)

@@ -2,8 +2,10 @@
 protobuf<7, which ours cannot share). Usage: python pipecat_elevenlabs.py WS_URL OUT.json
 
 Speaks two bot utterances as an LLM would (token-streamed text frames between LLMFullResponseStart/End),
-then a third that is interrupted after its first audio while its text is still streaming. Writes the PCM of each (base64) and the word
-timestamps pipecat derived from the alignment."""
+then a third that is interrupted after 1.5 s of its audio while its text is still streaming, a fourth, and a
+fifth interrupted after 1.5 s of audio once the LLM has finished (pipecat has sent flush and close_context: the
+interruption sends a second close_context). Writes the PCM of each (base64), the word timestamps pipecat derived
+from the alignment, and for an interrupted one what it had when the interruption was queued."""
 
 from __future__ import annotations
 
@@ -28,7 +30,8 @@ class Collector(FrameProcessor):
         self.utterances: list[dict] = []
         self.current: dict | None = None
         self.stopped = asyncio.Event()
-        self.audio_seen = asyncio.Event()
+        self.heard = asyncio.Event()            # the current utterance has heard_bytes of audio
+        self.heard_bytes = 0
 
     def _cur(self) -> dict:
         if self.current is None:
@@ -41,9 +44,14 @@ class Collector(FrameProcessor):
         if isinstance(frame, TTSAudioRawFrame):
             self._cur()["pcm"] += frame.audio
             self._cur()["rate"] = frame.sample_rate
-            self.audio_seen.set()
+            if self.heard_bytes and len(self._cur()["pcm"]) >= self.heard_bytes:
+                self.heard.set()
         elif isinstance(frame, TTSTextFrame):
             self._cur()["words"].append([frame.text, frame.pts])
+        elif isinstance(frame, InterruptionFrame) and self.current is not None:
+            # what had come out of the TTS service when the interruption passed it
+            self.current["at_interruption"] = {"pcm_bytes": len(self.current["pcm"]),
+                                               "words": len(self.current["words"])}
         elif isinstance(frame, TTSStoppedFrame):
             self.current = None
             self.stopped.set()
@@ -53,6 +61,19 @@ class Collector(FrameProcessor):
 async def utterance(task: PipelineTask, tokens: list[str]) -> None:
     await task.queue_frames([LLMFullResponseStartFrame(), *[LLMTextFrame(t) for t in tokens],
                              LLMFullResponseEndFrame()])
+
+
+async def interrupted(task: PipelineTask, collector: Collector, frames: list) -> None:
+    """Queue ``frames``, interrupt once 1.5 s of their audio has come (the collector notes what had come
+    when the interruption reaches it)."""
+    collector.heard.clear()
+    collector.heard_bytes = int(1.5 * 24000) * 2
+    await task.queue_frames(frames)
+    await asyncio.wait_for(collector.heard.wait(), 120)
+    collector.heard_bytes = 0
+    await task.queue_frame(InterruptionFrame())
+    await asyncio.sleep(1.5)
+    collector.current = None            # an interrupted utterance gets no TTSStoppedFrame
 
 
 async def main(url: str, out: str) -> None:
@@ -71,18 +92,17 @@ async def main(url: str, out: str) -> None:
             collector.stopped.clear()
             await utterance(task, text[key])
             await asyncio.wait_for(collector.stopped.wait(), 120)
-        collector.audio_seen.clear()
         # the LLM is still writing when the user barges in: no LLMFullResponseEndFrame before the interruption
-        await task.queue_frames([LLMFullResponseStartFrame(), *[LLMTextFrame(t) for t in text["long"]]])
-        await asyncio.wait_for(collector.audio_seen.wait(), 120)
-        await task.queue_frame(InterruptionFrame())
-        await asyncio.sleep(1.0)
-        collector.current = None            # an interrupted utterance gets no TTSStoppedFrame
+        await interrupted(task, collector, [LLMFullResponseStartFrame(), *[LLMTextFrame(t) for t in text["long"]]])
         collector.stopped.clear()
         await utterance(task, text["after"])
         await asyncio.wait_for(collector.stopped.wait(), 120)
+        # the LLM has finished (flush and close_context sent) when the user barges in
+        await interrupted(task, collector, [LLMFullResponseStartFrame(), *[LLMTextFrame(t) for t in text["long"]],
+                                            LLMFullResponseEndFrame()])
         result["utterances"] = [{"pcm": base64.b64encode(u["pcm"]).decode(), "rate": u.get("rate"),
-                                 "words": u["words"]} for u in collector.utterances]
+                                 "words": u["words"], "at_interruption": u.get("at_interruption")}
+                                for u in collector.utterances]
     finally:
         await task.queue_frame(EndFrame())
         await asyncio.wait_for(run, 60)
