@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# CI helper: install the Debian packages two tests drive from the distribution, not from PyPI:
+# CI helper: install the Debian packages three tests drive from the distribution, not from PyPI:
 #   chromium   /usr/bin/chromium   tests/test_web_page.py (headless, through Python playwright with
 #                                  executable_path=/usr/bin/chromium; no `playwright install`)
 #   espeak-ng  /usr/bin/espeak-ng  tests/test_speech_timing.py and scripts/alignment-eval (speech with known
 #                                  word times, through libespeak-ng1's C API)
+#   prometheus /usr/bin/promtool   tests/test_prometheus_rules.py (check and test the alert rules, lint /metrics)
 #
 #   bash .ci/install-debian.sh
 #
@@ -14,7 +15,8 @@
 set -euo pipefail
 
 APT_TIMEOUT=${APT_TIMEOUT:-600}
-PACKAGES=("chromium:/usr/bin/chromium:tests/test_web_page.py" "espeak-ng:/usr/bin/espeak-ng:tests/test_speech_timing.py")
+PACKAGES=("chromium:/usr/bin/chromium:tests/test_web_page.py" "espeak-ng:/usr/bin/espeak-ng:tests/test_speech_timing.py"
+          "prometheus:/usr/bin/promtool:tests/test_prometheus_rules.py")
 
 say() { printf '[install-debian] %s\n' "$*" >&2; }
 

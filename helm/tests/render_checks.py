@@ -464,6 +464,27 @@ def check_manifests(c: Checker, docs: list[dict], v: dict, chart: dict) -> list[
     else:
         c.eq(len(sms), 0, "ServiceMonitors rendered although serviceMonitor.enabled is false")
 
+    # ---- PrometheusRule: the rules file as it is, under the operator's CRD
+    rules = by_kind(docs, "PrometheusRule")
+    if v["prometheusRule"]["enabled"]:
+        c.eq(len(rules), 1, "number of PrometheusRules")
+        c.eq(rules[0]["apiVersion"], "monitoring.coreos.com/v1", "PrometheusRule apiVersion")
+        want = yaml.safe_load((Path(__file__).resolve().parents[1] / "mossrt" / "files" / "prometheus-rules.yaml")
+                              .read_text())
+        c.eq(rules[0]["spec"], want, "PrometheusRule spec differs from files/prometheus-rules.yaml")
+        for key, val in v["prometheusRule"]["additionalLabels"].items():
+            c.eq(rules[0]["metadata"]["labels"].get(key), val, f"PrometheusRule label {key}")
+    else:
+        c.eq(len(rules), 0, "PrometheusRules rendered although prometheusRule.enabled is false")
+
+    # ---- scrape annotations (Prometheus without the operator): the container's port and the metrics path
+    ann = spec["template"]["metadata"].get("annotations") or {}
+    if v["scrapeAnnotations"]:
+        c.eq((ann.get("prometheus.io/scrape"), ann.get("prometheus.io/port"), ann.get("prometheus.io/path")),
+             ("true", str(v["server"]["port"]), v["serviceMonitor"]["path"]), "pod scrape annotations")
+    else:
+        c.ok(not any(k.startswith("prometheus.io/") for k in ann), "scrape annotations although disabled")
+
     return kinds
 
 

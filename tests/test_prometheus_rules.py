@@ -1,0 +1,60 @@
+"""The alert and recording rules (helm/mossrt/files/prometheus-rules.yaml) pass ``promtool check rules``; each
+alert fires and stays quiet as helm/tests/prometheus-rules.test.yaml says (``promtool test rules``); and a real
+server's /metrics, after traffic over every kind of transport, passes ``promtool check metrics`` with no
+warning. promtool is Debian's ``prometheus`` package (``bash .ci/install-debian.sh``)."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import subprocess
+from pathlib import Path
+
+import httpx
+import pytest
+
+from service_helpers import TEXT, Server, native_ws_turns
+
+REPO = Path(__file__).resolve().parents[1]
+RULES = REPO / "helm" / "mossrt" / "files" / "prometheus-rules.yaml"
+RULE_TESTS = REPO / "helm" / "tests" / "prometheus-rules.test.yaml"
+
+
+@pytest.fixture(scope="module")
+def promtool() -> str:
+    path = shutil.which("promtool")
+    if path is None:
+        pytest.skip("promtool not installed: run `bash .ci/install-debian.sh` (apt-get install prometheus)")
+    return path
+
+
+def run(promtool: str, *args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([promtool, *args], input=stdin, capture_output=True, text=True, timeout=300)
+
+
+def test_rules_are_valid(promtool):
+    proc = run(promtool, "check", "rules", str(RULES))
+    assert proc.returncode == 0 and "SUCCESS" in proc.stdout, proc.stdout + proc.stderr
+
+
+def test_each_alert_fires_and_stays_quiet(promtool):
+    proc = run(promtool, "test", "rules", str(RULE_TESTS))
+    assert proc.returncode == 0 and "SUCCESS" in proc.stdout, proc.stdout + proc.stderr
+    tested = set(RULE_TESTS.read_text().split("alertname: ")[1:])
+    alerts = {line.split("alert: ")[1].strip() for line in RULES.read_text().splitlines() if "- alert: " in line}
+    assert alerts <= {t.split()[0] for t in tested}, "an alert without a promtool test"
+
+
+def test_live_metrics_follow_the_naming_conventions(promtool, full_bundle_dir, tmp_path):
+    with Server(full_bundle_dir, tmp_path / "voices", tmp_path / "server.log") as server:
+        r = httpx.post(server.base + "/v1/audio/speech", json={"model": "tts-1", "input": TEXT, "voice": "alloy", "response_format": "pcm"}, timeout=120)
+        assert r.status_code == 200
+        r = httpx.post(server.base + "/v1/text-to-speech/default/with-timestamps?output_format=pcm_24000",
+                       json={"text": TEXT}, timeout=120)
+        assert r.status_code == 200
+        asyncio.run(native_ws_turns(server, [[TEXT]]))
+        httpx.post(server.base + "/v1/audio/speech", json={"input": ""}, timeout=30)    # a 400 too
+        exposition = httpx.get(server.base + "/metrics", timeout=10).text
+    assert "mossrt_time_to_first_audio_seconds_bucket" in exposition
+    proc = run(promtool, "check", "metrics", stdin=exposition)
+    assert proc.returncode == 0 and not (proc.stdout + proc.stderr).strip(), proc.stdout + proc.stderr
