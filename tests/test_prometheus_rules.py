@@ -1,19 +1,23 @@
 """The alert and recording rules (helm/mossrt/files/prometheus-rules.yaml) pass ``promtool check rules``; each
 alert fires and stays quiet as helm/tests/prometheus-rules.test.yaml says (``promtool test rules``); and a real
 server's /metrics, after traffic over every kind of transport, passes ``promtool check metrics`` with no
-warning. promtool is Debian's ``prometheus`` package (``bash .ci/install-debian.sh``)."""
+warning; and scripts/monitoring-check passes: a live Prometheus, with these rules, scraping a server under load,
+has data for every dashboard panel, recording rule and chart query. promtool and prometheus are Debian's
+``prometheus`` package (``bash .ci/install-debian.sh``)."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import httpx
 import pytest
 
-from service_helpers import TEXT, Server, native_ws_turns
+from service_helpers import TEST_DEVICE, TEXT, Server, native_ws_turns
 
 REPO = Path(__file__).resolve().parents[1]
 RULES = REPO / "helm" / "mossrt" / "files" / "prometheus-rules.yaml"
@@ -58,3 +62,27 @@ def test_live_metrics_follow_the_naming_conventions(promtool, full_bundle_dir, t
     assert "mossrt_time_to_first_audio_seconds_bucket" in exposition
     proc = run(promtool, "check", "metrics", stdin=exposition)
     assert proc.returncode == 0 and not (proc.stdout + proc.stderr).strip(), proc.stdout + proc.stderr
+
+
+@pytest.fixture(scope="module")
+def prometheus() -> str:
+    path = shutil.which("prometheus")
+    if path is None:
+        pytest.skip("prometheus not installed: run `bash .ci/install-debian.sh` (apt-get install prometheus)")
+    return path
+
+
+def test_dashboard_rules_and_autoscaling_queries_against_a_live_prometheus(prometheus, full_bundle_dir, tmp_path):
+    """scripts/monitoring-check: a real Prometheus scraping a real server under a mixed load with an
+    over-capacity burst and a stalled client; every panel query, recording rule and chart query has data,
+    every rule evaluates, exactly the shedding alert is pending, and the panels render."""
+    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "monitoring-check"), "--bundle",
+                           str(full_bundle_dir), "--device", TEST_DEVICE, "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=1200)
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert report["failures"] == [] and report["alerts"] == {"MossrtShedding": "pending"}
+    assert len(report["queries"]) >= 20 and all(q["series"] for q in report["queries"])
+    assert {r["type"] for r in report["rules"]} == {"recording", "alerting"}
+    assert report["sse_status"] == 200 and report["stalled_streams"] >= 1
+    assert (tmp_path / "dashboard.png").stat().st_size > 20_000

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import base64
 import copy
+import json
 import sys
 from pathlib import Path
 
@@ -476,6 +477,18 @@ def check_manifests(c: Checker, docs: list[dict], v: dict, chart: dict) -> list[
             c.eq(rules[0]["metadata"]["labels"].get(key), val, f"PrometheusRule label {key}")
     else:
         c.eq(len(rules), 0, "PrometheusRules rendered although prometheusRule.enabled is false")
+
+    # ---- Grafana dashboard ConfigMap: the JSON as it is, under the sidecar's label
+    maps = [d for d in by_kind(docs, "ConfigMap") if d["metadata"]["name"].endswith("-dashboard")]
+    if v["dashboard"]["enabled"]:
+        c.eq(len(maps), 1, "number of dashboard ConfigMaps")
+        c.eq(maps[0]["metadata"]["labels"].get(v["dashboard"]["label"]), str(v["dashboard"]["labelValue"]),
+             "dashboard ConfigMap's sidecar label")
+        want = json.loads((Path(__file__).resolve().parents[1] / "mossrt" / "files" / "grafana-dashboard.json")
+                          .read_text())
+        c.eq(json.loads(maps[0]["data"]["mossrt.json"]), want, "dashboard ConfigMap differs from the JSON")
+    else:
+        c.eq(len(maps), 0, "dashboard ConfigMap rendered although dashboard.enabled is false")
 
     # ---- scrape annotations (Prometheus without the operator): the container's port and the metrics path
     ann = spec["template"]["metadata"].get("annotations") or {}
