@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, generate_latest
+from prometheus_client.core import CounterMetricFamily
 
 FRAME_SECONDS = 0.08
 
@@ -35,17 +36,27 @@ class Metrics:
                               registry=r, buckets=(0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1, 2, 5))
         self.rtf = Histogram("mossrt_realtime_factor", "Generation seconds per second of audio, per turn",
                              registry=r, buckets=(0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1, 1.5, 2, 5, 10, 30))
-        self.prefix_hits = Gauge("mossrt_prefix_cache_hits", "Streams started from cached system-block KV "
-                                 "(cumulative)", registry=r)
+        self._prefix_stats = None
+        r.register(_PrefixCounters(self))
         self.prefix_entries = Gauge("mossrt_prefix_cache_entries", "System blocks (prompt, voices) in the KV cache",
                                     registry=r)
         self.prefix_bytes = Gauge("mossrt_prefix_cache_bytes", "Memory of the cached system-block KV", registry=r)
         self.ready = Gauge("mossrt_ready", "1 when the bundle is loaded and warmed up and not draining", registry=r)
         self.info = Info("mossrt_build", "Bundle and runtime", registry=r)
 
+    def initialise(self, endpoints: tuple[str, ...], transports: tuple[str, ...]) -> None:
+        """Create at 0 the series alerts and SLOs divide by: each speech endpoint's 200, 429 and 500, each
+        transport's stalls. Prometheus takes no rate from a counter's first sample, so a 429 series that
+        first appears at 5 would count as 0 refusals."""
+        for endpoint in endpoints:
+            for status in ("200", "429", "500"):
+                self.requests.labels(endpoint, status)
+        for transport in transports:
+            self.stalled.labels(transport)
+
     def render(self, scheduler_stats=None, prefix_stats=None) -> bytes:
         if prefix_stats is not None:
-            self.prefix_hits.set(prefix_stats.hits)
+            self._prefix_stats = prefix_stats
             self.prefix_entries.set(prefix_stats.entries)
             self.prefix_bytes.set(prefix_stats.bytes)
         if scheduler_stats is not None:
@@ -106,3 +117,26 @@ class StreamMeter:
                             "total_ms": round(1000 * total, 1),
                             "realtime_factor": None if rtf is None else round(rtf, 3), "underruns": self.underruns}
         return self._timing
+
+
+class _PrefixCounters:
+    """The prefix cache's lookups and evictions as counters, read from the engine's running totals at each
+    scrape (a prometheus-client Counter can only be incremented; the totals live in the engine)."""
+
+    def __init__(self, metrics: Metrics):
+        self.metrics = metrics
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        stats = self.metrics._prefix_stats
+        if stats is None:
+            return
+        for name, doc, value in (("hits", "Streams started from cached system-block KV", stats.hits),
+                                 ("misses", "Lookups of system-block KV that was not cached", stats.misses),
+                                 ("evictions", "Cached system blocks dropped to stay within the budget",
+                                  stats.evictions)):
+            family = CounterMetricFamily(f"mossrt_prefix_cache_{name}", doc)
+            family.add_metric([], value)
+            yield family

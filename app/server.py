@@ -74,6 +74,10 @@ def create_app(settings: ServerSettings, bundle: Bundle) -> FastAPI:
 
     for module in (ops, speech, voices, ws, elevenlabs_ws, elevenlabs_http, web):
         app.include_router(module.router)
+    # the series an SLO divides by exist at 0 from the start (a counter first seen at 5 shows no rate)
+    metrics.initialise(endpoints=(speech.ENDPOINT, ws.PATH, elevenlabs_ws.MULTI_PATH, elevenlabs_ws.SINGLE_PATH,
+                                  *elevenlabs_http.STREAMED_PATHS),
+                       transports=("http", "sse", "ws", "elevenlabs", "elevenlabs_http"))
     app.openapi = lambda: _openapi(app)
     return app
 

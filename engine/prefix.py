@@ -36,6 +36,7 @@ def prefix_key(rows: np.ndarray) -> str:
 class PrefixStats:
     hits: int = 0
     misses: int = 0
+    evictions: int = 0           # entries dropped to stay within the budget (replacements are not)
     entries: int = 0
     bytes: int = 0
 
@@ -85,5 +86,6 @@ class PrefixCache:
             while self.stats.bytes > self.budget_bytes:
                 _, old = self._entries.popitem(last=False)
                 self.stats.bytes -= old.nbytes
+                self.stats.evictions += 1
             self.stats.entries = len(self._entries)
             return True

@@ -134,7 +134,10 @@ def test_cache_is_bounded_lru():
     assert cache.get("a") is a                                         # a is now the most recent
     cache.put("c", c)                                                  # evicts b
     assert "b" not in cache and "a" in cache and "c" in cache and cache.stats.bytes == 800
+    assert cache.get("b") is None and (cache.stats.hits, cache.stats.misses, cache.stats.evictions) == (1, 1, 1)
+    cache.put("c", np.zeros(100, np.float32))                          # a replacement is no eviction
     assert not cache.put("huge", np.zeros(1000, np.float32))          # larger than the budget: not kept
+    assert cache.stats.evictions == 1
     with pytest.raises(ValueError):
         PrefixCache(-1)
 

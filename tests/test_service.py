@@ -254,7 +254,7 @@ def test_voices_round_trip_and_survive_a_restart(server, tmp_path, full_bundle_d
             "model": "x", "input": TEXT, "voice": "narrator", "response_format": "pcm", "greedy": True})
         assert_same_audio(pcm16(again.content), pcm16(by_name.content))
         hits = [line for line in httpx.get(other.base + "/metrics").text.splitlines()
-                if line.startswith("mossrt_prefix_cache_hits ")]
+                if line.startswith("mossrt_prefix_cache_hits_total ")]
         assert hits and float(hits[0].split()[1]) >= 1
         assert httpx.delete(other.base + f"/v1/audio/voices/{voice['id']}").json()["deleted"] is True
         assert httpx.get(other.base + f"/v1/audio/voices/{voice['id']}").status_code == 404
