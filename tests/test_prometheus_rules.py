@@ -24,12 +24,17 @@ RULES = REPO / "helm" / "mossrt" / "files" / "prometheus-rules.yaml"
 RULE_TESTS = REPO / "helm" / "tests" / "prometheus-rules.test.yaml"
 
 
+def prometheus_package_binary(name: str) -> str:
+    """A binary of Debian's prometheus package, or a skip that says how to install it."""
+    path = shutil.which(name)
+    if path is None:
+        pytest.skip(f"{name} not installed: run `bash .ci/install-debian.sh` (apt-get install prometheus)")
+    return path
+
+
 @pytest.fixture(scope="module")
 def promtool() -> str:
-    path = shutil.which("promtool")
-    if path is None:
-        pytest.skip("promtool not installed: run `bash .ci/install-debian.sh` (apt-get install prometheus)")
-    return path
+    return prometheus_package_binary("promtool")
 
 
 def run(promtool: str, *args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
@@ -72,10 +77,7 @@ def test_live_metrics_follow_the_naming_conventions(promtool, full_bundle_dir, t
 
 @pytest.fixture(scope="module")
 def prometheus() -> str:
-    path = shutil.which("prometheus")
-    if path is None:
-        pytest.skip("prometheus not installed: run `bash .ci/install-debian.sh` (apt-get install prometheus)")
-    return path
+    return prometheus_package_binary("prometheus")
 
 
 def test_dashboard_rules_and_autoscaling_queries_against_a_live_prometheus(prometheus, full_bundle_dir, tmp_path):

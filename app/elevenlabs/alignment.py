@@ -130,14 +130,11 @@ class Aligner:
         starts = [self._turn_start_ms + self._clock.time_of(u) * 1000 for u in range(first, spoken)]
         return self._span(self._turn_first + spoken, starts, self._audio_end_ms, frame_start)
 
-    def rest(self, duration_ms: float = 0.0) -> Span | None:
-        """At the end of a turn that was not cancelled: every piece of it not yet aligned, over its last
-        ``duration_ms`` of audio (the encoder's tail)."""
-        start = self._audio_end_ms
-        self._audio_end_ms += duration_ms
-        n = self._turn_limit - self._done
-        return self._span(self._turn_limit, [start + i * duration_ms / max(n, 1) for i in range(n)],
-                          self._audio_end_ms, start)
+    def rest(self) -> Span | None:
+        """At the end of a turn that was not cancelled: every piece of it not yet aligned, at the end of its
+        audio."""
+        end = self._audio_end_ms
+        return self._span(self._turn_limit, [end] * (self._turn_limit - self._done), end, end)
 
     def final(self) -> Span | None:
         """The whole of a one-turn utterance once its audio has ended (for a whole-body reply): with the speech
