@@ -108,6 +108,14 @@ def wav_stream_header(sample_rate: int = 24000, channels: int = 1) -> bytes:
     )
 
 
+def whole_file(fmt: str, data: bytes) -> bytes:
+    """A whole reply's bytes: a WAV's streaming header given its real sizes (every other format is whole as
+    it is streamed)."""
+    if fmt != "wav" or len(data) < 44:
+        return data
+    return data[:4] + struct.pack("<I", len(data) - 8) + data[8:40] + struct.pack("<I", len(data) - 44) + data[44:]
+
+
 class _ByteSink:
     """Write-only, non-seekable file object for the muxer.
 

@@ -59,12 +59,14 @@ CATALOGUE: dict[str, Row] = {
             invalid_audio="an upload or input.user audio that does not decode, or is over its bounds",
             voice_not_found="no voice of that name or id (ElevenLabs WebSockets: closed with 1008)",
             voice_unusable="a registered voice that this bundle cannot use (encoded by another codec)",
+            voice_mixing_unsupported="a voice in Kokoro's mixing syntax ('a+b', 'a(0.5)+b'): this model "
+                                     "speaks one voice per request",
             reserved_name="a voice name that is one of OpenAI's built-in voices",
             invalid_content_length="a Content-Length that is not a number",
             invalid_output_format="an ElevenLabs output_format that is not offered (the message lists them)",
             unknown_type="a WebSocket message type the protocol does not have",
             binary_not_expected="a binary WebSocket frame where only text frames are read",
-            message_too_large="a WebSocket message over --ws-max-message-bytes",
+            message_too_large="a WebSocket message or a Wyoming event over --ws-max-message-bytes",
             cors_refused="a CORS preflight from an origin not in --cors-origin",
             stream_closed="a request on a stream that has already closed"),
     # the session's state refuses it (WebSockets): the session goes on
@@ -96,8 +98,10 @@ CATALOGUE: dict[str, Row] = {
     **_rows(405, BAD, "UNIMPLEMENTED", method_not_allowed="the route does not take that method"),
     **_rows(408, BAD, "DEADLINE_EXCEEDED",
             request_timeout="the body did not arrive within --body-timeout",
-            idle_timeout="a socket with no turn running sent nothing for --ws-idle-timeout: closed",
-            input_timeout_exceeded="ElevenLabs: no message for the socket's inactivity_timeout: closed",
+            idle_timeout="a socket with no turn running sent nothing that did something (keep-alives and refused "
+                         "messages do not count) for --ws-idle-timeout: closed",
+            input_timeout_exceeded="ElevenLabs: no message (keep-alives count, refused ones do not) for the "
+                                   "socket's inactivity_timeout: closed",
             auth_timeout="ElevenLabs: a socket without a key in its handshake sent none within "
                          "--ws-auth-timeout: closed",
             client_stalled="the client took no audio for --stall-timeout: its stream ended (a status in "
@@ -108,10 +112,20 @@ CATALOGUE: dict[str, Row] = {
     **_rows(413, BAD, "INVALID_ARGUMENT",
             request_too_large="a JSON body over --max-body-bytes, refused before it is read or parsed",
             file_too_large="an upload over --max-upload-bytes"),
+    **_rows(414, BAD, "INVALID_ARGUMENT",
+            uri_too_long="a request URL over --max-url-bytes, refused before the key or the route is looked at"),
     **_rows(422, BAD, "INVALID_ARGUMENT",
             invalid_request="ElevenLabs: a body or first message whose fields do not validate"),
     **_rows(429, LIMIT, "RESOURCE_EXHAUSTED",
-            no_capacity="no stream slot freed within --queue-timeout (Retry-After: 1)"),
+            no_capacity="no stream slot freed within --queue-timeout (Retry-After: 1)",
+            too_many_sessions="--ws-max-sessions WebSocket sessions are open: the socket is closed at once "
+                              "(Retry-After: 1)",
+            context_evicted="our WebSocket, not fatal: the session's parked context was dropped "
+                            "(MOSSRT_PARKED_CONTEXT_BYTES); this turn starts on a fresh context"),
+    **_rows(431, BAD, "INVALID_ARGUMENT",
+            header_fields_too_large="a request head over --max-header-bytes, more than --max-header-count "
+                                    "header fields, or a WebSocket upgrade's field over 8 KiB: refused before the key "
+                                    "or the route is looked at"),
     **_rows(503, SERVER, "UNAVAILABLE",
             loading="the model is loading (Retry-After: 5)",
             warming="the batch buckets and the first synthesis are warming up (Retry-After: 5)",
@@ -123,6 +137,7 @@ CATALOGUE: dict[str, Row] = {
             internal_error="an unexpected failure in the service (logged with its request id)"),
 }
 RETRY_HEADERS = {"no_capacity": {"Retry-After": str(RETRY_AFTER_SECONDS)},
+                 "too_many_sessions": {"Retry-After": str(RETRY_AFTER_SECONDS)},
                  "draining": {"Retry-After": str(RETRY_AFTER_SECONDS)},
                  "loading": {"Retry-After": "5"}, "warming": {"Retry-After": "5"},
                  "engine_error": {"x-should-retry": "false"}, "internal_error": {"x-should-retry": "false"},

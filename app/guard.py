@@ -1,8 +1,8 @@
 """The HTTP front door, as one ASGI middleware: every request gets an id and a log line, and what a client
 can make the server hold is bounded before any route runs.
 
-- the API key of a ``/v1`` route is checked before a byte of its body is read (a keyless client gets its
-  401 whatever it sends, and costs nothing);
+- the API key of an API route (``/v1``, ``/v2``, ``/dev``) is checked before a byte of its body is read (a
+  keyless client gets its 401 whatever it sends, and costs nothing; ``keyless_routes`` are the exceptions);
 - a body larger than its limit is refused from its ``Content-Length`` at once, and by a running count
   while it streams in (chunked bodies), before anything parses it: 413 ``request_too_large``;
 - a body must arrive within ``body_timeout`` seconds: 408 ``request_timeout``.
@@ -29,6 +29,7 @@ log = logging.getLogger("mossrt.app")
 REQUEST_ID = re.compile(r"[A-Za-z0-9._:/+=-]{1,128}")   # what a client's X-Request-Id may be; else a new one
 MULTIPART_OVERHEAD = 64 * 1024                          # form fields and part headers beside the upload
 QUIET_PATHS = ("/health", "/ready", "/metrics")         # probes and scrapes are not logged
+KEYED_PREFIXES = ("/v1", "/v2/", "/dev/")               # the API's routes: keyed (when keys are set) and counted
 
 
 def request_id(given: str | None) -> str:
@@ -104,8 +105,8 @@ class RequestGuard:
 
     def _refusal(self, scope, headers: Headers) -> ApiError | None:
         """The error a request gets before its body is read: no key, or a declared body over the limit."""
-        if scope["path"].startswith("/v1") and scope["method"] != "OPTIONS":
-            err = self.policy.http_key_error(headers)
+        if scope["path"].startswith(KEYED_PREFIXES) and scope["method"] != "OPTIONS":
+            err = self.policy.http_key_error(headers, scope["method"], scope["path"])
             if err is not None:
                 return err
         declared = headers.get("content-length")
@@ -130,8 +131,9 @@ class RequestGuard:
             try:
                 message = await asyncio.wait_for(receive(), max(deadline - time.monotonic(), 0.001))
             except asyncio.TimeoutError:
-                raise HTTPException(408, f"the request body did not arrive within {self.settings.body_timeout:g} s") \
-                    from None
+                # Connection: close: the rest of a slow body is not waited for on a kept-alive connection
+                raise HTTPException(408, f"the request body did not arrive within {self.settings.body_timeout:g} s",
+                                    headers={"Connection": "close"}) from None
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
                 if received > limit:
@@ -146,7 +148,7 @@ class RequestGuard:
     def _count(self, scope, status: int) -> None:
         endpoint = getattr(scope.get("route"), "path", None) or self._template(scope["path"])
         # a streamed speech response counts itself when it ends (its status is only known then)
-        if (status >= 400 or endpoint not in self.counted_elsewhere) and endpoint.startswith("/v1"):
+        if (status >= 400 or endpoint not in self.counted_elsewhere) and endpoint.startswith(KEYED_PREFIXES):
             self.metrics.requests.labels(endpoint, str(status)).inc()
 
 

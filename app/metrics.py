@@ -8,6 +8,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 from prometheus_client.core import CounterMetricFamily
 
 FRAME_SECONDS = 0.08
+CONVERSATION_STATES = ("generating", "idle", "parked")
 
 
 class Metrics:
@@ -37,7 +38,19 @@ class Metrics:
         self.rtf = Histogram("mossrt_realtime_factor", "Generation seconds per second of audio, per turn",
                              registry=r, buckets=(0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1, 1.5, 2, 5, 10, 30))
         self._prefix_stats = None
-        r.register(_PrefixCounters(self))
+        r.register(_EngineTotals(lambda: self._prefix_stats, PREFIX_COUNTERS))
+        self.conversations = Gauge("mossrt_conversations", "Streams by state: generating (a turn in progress, in a "
+                                   "slot), idle (between turns, in a slot), parked (between turns, its context on "
+                                   "the host, no slot)", ["state"], registry=r)
+        for state in CONVERSATION_STATES:
+            self.conversations.labels(state)
+        self.parked_bytes = Gauge("mossrt_parked_context_bytes", "Host memory of parked conversations' KV rows",
+                                  registry=r)
+        self._parking = None
+        r.register(_EngineTotals(lambda: self._parking, PARKING_COUNTERS, zero_before=True))
+        self.resume = Histogram("mossrt_resume_seconds", "What resuming a parked conversation added to its turn's "
+                                "first audio: from its admission to its KV rows back in a slot", registry=r,
+                                buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5))
         self.prefix_entries = Gauge("mossrt_prefix_cache_entries", "System blocks (prompt, voices) in the KV cache",
                                     registry=r)
         self.prefix_bytes = Gauge("mossrt_prefix_cache_bytes", "Memory of the cached system-block KV", registry=r)
@@ -54,7 +67,7 @@ class Metrics:
         for transport in transports:
             self.stalled.labels(transport)
 
-    def render(self, scheduler_stats=None, prefix_stats=None) -> bytes:
+    def render(self, scheduler_stats=None, prefix_stats=None, resume_seconds: list[float] = ()) -> bytes:
         if prefix_stats is not None:
             self._prefix_stats = prefix_stats
             self.prefix_entries.set(prefix_stats.entries)
@@ -64,6 +77,14 @@ class Metrics:
             self.queued.set(scheduler_stats.queued)
             self.capacity.set(scheduler_stats.capacity)
             self.generating.set(scheduler_stats.generating)
+            parking = scheduler_stats.parking
+            self._parking = parking
+            for state, n in zip(CONVERSATION_STATES, (scheduler_stats.generating, scheduler_stats.idle,
+                                                      parking.parked if parking else 0)):
+                self.conversations.labels(state).set(n)
+            self.parked_bytes.set(parking.bytes if parking else 0)
+        for seconds in resume_seconds:
+            self.resume.observe(seconds)
         return generate_latest(self.registry)
 
 
@@ -119,24 +140,33 @@ class StreamMeter:
         return self._timing
 
 
-class _PrefixCounters:
-    """The prefix cache's lookups and evictions as counters, read from the engine's running totals at each
-    scrape (a prometheus-client Counter can only be incremented; the totals live in the engine)."""
+class _EngineTotals:
+    """Running totals the engine keeps, as counters read at each scrape (a prometheus-client Counter can only be
+    incremented; the totals live in the engine). ``read()`` gives the engine's stats object, None before there
+    is one: then no series, or each at 0 with ``zero_before`` (so that a rate exists from start-up)."""
 
-    def __init__(self, metrics: Metrics):
-        self.metrics = metrics
+    def __init__(self, read, counters: tuple[tuple[str, str, str], ...], zero_before: bool = False):
+        self.read, self.counters, self.zero_before = read, counters, zero_before
 
     def describe(self):
         return []
 
     def collect(self):
-        stats = self.metrics._prefix_stats
-        if stats is None:
+        stats = self.read()
+        if stats is None and not self.zero_before:
             return
-        for name, doc, value in (("hits", "Streams started from cached system-block KV", stats.hits),
-                                 ("misses", "Lookups of system-block KV that was not cached", stats.misses),
-                                 ("evictions", "Cached system blocks dropped to stay within the budget",
-                                  stats.evictions)):
-            family = CounterMetricFamily(f"mossrt_prefix_cache_{name}", doc)
-            family.add_metric([], value)
+        for name, doc, attr in self.counters:
+            family = CounterMetricFamily(name, doc)
+            family.add_metric([], getattr(stats, attr) if stats is not None else 0)
             yield family
+
+
+PREFIX_COUNTERS = (("mossrt_prefix_cache_hits", "Streams started from cached system-block KV", "hits"),
+                   ("mossrt_prefix_cache_misses", "Lookups of system-block KV that was not cached", "misses"),
+                   ("mossrt_prefix_cache_evictions", "Cached system blocks dropped to stay within the budget",
+                    "evictions"))
+PARKING_COUNTERS = (("mossrt_parks", "Idle conversations parked: their slot given to a waiting stream", "parks"),
+                    ("mossrt_resumes", "Parked conversations that took a slot again, their rows copied back",
+                     "resumes"),
+                    ("mossrt_parked_evictions", "Parked contexts dropped to stay within the parked-context budget "
+                     "(their next turn starts fresh)", "evictions"))

@@ -12,6 +12,7 @@ from engine.limits import HARD_MAX_FRAMES
 from engine.sampling import MAX_REPETITION_WINDOW, MAX_SEED, MAX_TOP_K
 
 from .audio_formats import ENCODINGS, MAX_OUT_RATE, MAX_SPEED, MIN_OUT_RATE, MIN_SPEED
+from .normalize import Switches
 
 ResponseFormat = Literal[ENCODINGS]  # type: ignore[valid-type]
 
@@ -72,6 +73,20 @@ class SpeechRequest(SamplingExtras):
     # output rate (resampled with soxr; default the model's 24000); ulaw/alaw are for telephony at 8000
     sample_rate: WholeInt | None = Field(None, ge=MIN_OUT_RATE, le=MAX_OUT_RATE)
     allow_special_tokens: StrictBool = False
+    # false: the whole audio as one body with its Content-Length (Kokoro's clients); true: streamed as generated
+    stream: StrictBool = True
+    # word timestamps in the SSE events (stream_format "sse"): {"word", "start_time", "end_time"} in seconds
+    return_timestamps: StrictBool = False
+    # Kokoro-FastAPI's text normalization switches (app.normalize); absent: the server's default
+    normalization_options: Switches | None = None
+
+
+class CaptionedSpeechRequest(SpeechRequest):
+    """``POST /dev/captioned_speech`` (Kokoro-FastAPI's): the speech request, with word timestamps by default.
+    Kokoro's ``lang_code`` and ``volume_multiplier`` are accepted and ignored, as every unknown key."""
+
+    model: StrictStr = Field("moss-tts-realtime", min_length=1, max_length=256)
+    return_timestamps: StrictBool = True
 
 
 class ModelCard(BaseModel):
@@ -94,9 +109,28 @@ class VoiceObject(BaseModel):
     created_at: int
 
 
+class Named(BaseModel):
+    """An id and a display name (what Open WebUI lists)."""
+
+    id: str
+    name: str
+
+
 class VoiceList(BaseModel):
+    """The registered voices (``data``, OpenAI's shape) and every voice a request may name (``voices``:
+    Open WebUI's and Kokoro's shape)."""
+
     object: Literal["list"] = "list"
     data: list[VoiceObject]
+    voices: list[Named]
+
+
+class AudioModelList(BaseModel):
+    """``GET /v1/audio/models``: the speech models (``data``, OpenAI's shape; ``models``, Open WebUI's)."""
+
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+    models: list[Named]
 
 
 class ErrorDetail(BaseModel):

@@ -16,9 +16,11 @@ from . import errors
 from .errors import JsonCORSMiddleware
 from .guard import RequestGuard
 from .metrics import Metrics
-from .routes import elevenlabs_http, elevenlabs_ws, ops, speech, voices, web, ws
+from .routes import captioned, elevenlabs_http, elevenlabs_ws, ops, speech, voices, web, ws
 from .service import TTSService
 from .settings import ServerSettings
+from .wyoming import session as wyoming_session
+from .wyoming.server import WyomingListener
 
 log = logging.getLogger("mossrt.app")
 
@@ -53,10 +55,16 @@ def create_app(settings: ServerSettings, bundle: Bundle) -> FastAPI:
                        "tts_dtype": bundle.info.tts.dtype if bundle.info.tts else "none",
                        "demo": str(bundle.is_demo).lower()})
 
+    wyoming = WyomingListener(settings.wyoming_uri, service, metrics, _version()) if settings.wyoming_uri else None
+
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         service.start()
+        if wyoming is not None:           # on this event loop, beside the HTTP listener
+            await wyoming.start()
         yield
+        if wyoming is not None:
+            await wyoming.stop()
         await run_in_threadpool(service.drain)
 
     app = FastAPI(title="mossrt", description="Streaming text-to-speech for MOSS-TTS-Realtime on onnxruntime",
@@ -66,18 +74,20 @@ def create_app(settings: ServerSettings, bundle: Bundle) -> FastAPI:
     errors.install(app)
     # added first, so it runs inside CORS: preflights are answered before it, its refusals get CORS headers
     app.add_middleware(RequestGuard, settings=settings, metrics=metrics,
-                       counted_elsewhere=(speech.ENDPOINT, *elevenlabs_http.STREAMED_PATHS),
+                       counted_elsewhere=(speech.ENDPOINT, captioned.ENDPOINT, *elevenlabs_http.STREAMED_PATHS),
                        openapi=lambda: app.openapi(), elevenlabs_prefixes=elevenlabs_http.ROUTE_PREFIXES)
     if settings.cors_origins:
         app.add_middleware(JsonCORSMiddleware, allow_origins=settings.cors_origins, allow_methods=["*"],
                            allow_headers=["*"], expose_headers=["X-Request-Id"])
 
-    for module in (ops, speech, voices, ws, elevenlabs_ws, elevenlabs_http, web):
+    for module in (ops, speech, captioned, voices, ws, elevenlabs_ws, elevenlabs_http, web):
         app.include_router(module.router)
     # the series an SLO divides by exist at 0 from the start (a counter first seen at 5 shows no rate)
-    metrics.initialise(endpoints=(speech.ENDPOINT, ws.PATH, elevenlabs_ws.MULTI_PATH, elevenlabs_ws.SINGLE_PATH,
-                                  *elevenlabs_http.STREAMED_PATHS),
-                       transports=("http", "sse", "ws", "elevenlabs", "elevenlabs_http"))
+    metrics.initialise(endpoints=(speech.ENDPOINT, captioned.ENDPOINT, ws.PATH, elevenlabs_ws.MULTI_PATH, elevenlabs_ws.SINGLE_PATH,
+                                  *elevenlabs_http.STREAMED_PATHS,
+                                  *((wyoming_session.ENDPOINT,) if wyoming is not None else ())),
+                       transports=("http", "sse", "ws", "elevenlabs", "elevenlabs_http",
+                                   *((wyoming_session.PROTOCOL,) if wyoming is not None else ())))
     app.openapi = lambda: _openapi(app)
     return app
 
@@ -88,6 +98,8 @@ _ERRORS = {"400": "invalid input", "401": "missing or invalid API key (when keys
            "429": "no stream slot freed within the queue timeout (see Retry-After)",
            "503": "the model is loading or the server is draining (see Retry-After)"}
 _ROUTE_ERRORS = {("post", "/v1/audio/speech"): ("400", "401", "429", "503"),
+                 ("post", "/dev/captioned_speech"): ("400", "401", "429", "503"),
+                 ("get", "/v1/audio/models"): ("401",),
                  ("post", "/v1/audio/voices"): ("400", "401", "409", "413", "503"),
                  ("get", "/v1/audio/voices"): ("401",),
                  ("get", "/v1/audio/voices/{voice_id}"): ("401", "404"),

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import threading
 import time
 from dataclasses import dataclass
@@ -16,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from engine.bundle import Bundle
-from engine.errors import EngineError, InputError
+from engine.errors import EngineError, InputError, VoiceGoneError
 from engine.limits import Limits
 from engine.prefix import prefix_key
 from engine.sampling import SamplingParams
@@ -25,6 +26,7 @@ from engine.tts import TTSModel
 from engine.voices import VoiceRecord, VoiceRegistry, resolve_voice
 
 from .errors import ApiError
+from .normalize import warm as normalize_warm
 from .session.policy import SessionPolicy
 from .settings import ServerSettings
 
@@ -36,6 +38,8 @@ MODEL_ALIASES = ("tts-1", "tts-1-hd", "gpt-4o-mini-tts")
 OPENAI_VOICES = ("alloy", "ash", "ballad", "coral", "echo", "fable", "onyx", "nova", "sage", "shimmer", "verse",
                  "marin", "cedar")
 DEFAULT_VOICE = "default"
+# Kokoro's voice mixing ("a+b", "a(0.5)+b(0.5)"): a name never has these (engine.voices.VOICE_NAME_PATTERN)
+VOICE_MIX = re.compile(r"[+()]")
 MAX_DEFAULT_SLOTS = 64
 WARM_TIMEOUT_S = 1800            # the bucket warm-up (every bucket's calls, CUDA-graph captures) at most
 
@@ -64,6 +68,17 @@ class SamplingFields:
     greedy: bool | None = None
 
 
+@dataclass(frozen=True)
+class VoiceEntry:
+    """A voice a request may name: the model's own timbre (``builtin``), an OpenAI name mapped to it
+    (``openai``), or a registered recording (``uploaded``, with its record)."""
+
+    id: str
+    name: str
+    kind: str
+    record: VoiceRecord | None = None
+
+
 class TTSService:
     def __init__(self, settings: ServerSettings, bundle: Bundle):
         self.settings = settings
@@ -77,6 +92,8 @@ class TTSService:
         self.error: str | None = None
         self.created = int(time.time())
         self._thread: threading.Thread | None = None
+        self.sessions_open = 0           # WebSocket sessions past their gate (bounded by ws_max_sessions)
+        self._sessions_lock = threading.Lock()
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -98,20 +115,41 @@ class TTSService:
             slots = self.settings.max_streams or self._default_slots(model)
             self.state = "warming"              # /ready: 503 warming while the buckets and first synthesis run
             self.scheduler = Scheduler(model, slots=slots, limits=self.limits, queue_timeout=self.settings.queue_timeout,
-                                       prefix_cache_bytes=self.settings.prefix_cache_bytes)
+                                       prefix_cache_bytes=self.settings.prefix_cache_bytes,
+                                       parked_bytes=self.parked_context_bytes())
             self.model = model
             if not self.scheduler.wait_warm(timeout=WARM_TIMEOUT_S) or self.scheduler.broken:
                 raise EngineError(self.scheduler.broken or f"the batch buckets did not warm in {WARM_TIMEOUT_S} s")
             self._warm_up()                     # also computes the default system prompt's prefix KV
+            if self.settings.normalize_text == "on":
+                normalize_warm()                # the rules' data (pint, phonenumbers) loaded before /ready
             self.state = "ready"
             log.info("ready in %.1f s: %d stream slots of %d context rows (%.0f MiB each), device %s%s",
                      time.monotonic() - t0, slots, self.limits.max_context_rows,
                      self.scheduler.runner.bytes_per_stream() / 2**20, self.bundle.device,
-                     ", DEMO bundle (random weights: audio is noise)" if self.bundle.is_demo else "")
+                     f", DEMO bundle ({self.bundle.info.demo.describe()})" if self.bundle.is_demo else "")
         except Exception as e:  # noqa: BLE001 - reported by /ready and the log, the process stays up
             log.exception("loading the bundle failed")
             self.error = f"{type(e).__name__}: {e}"
             self.state = "failed"
+
+    def parked_context_bytes(self) -> int:
+        """Host memory for parked conversations' KV rows: the setting, else an eighth of physical memory."""
+        if self.settings.parked_context_bytes is not None:
+            return self.settings.parked_context_bytes
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 8
+
+    def claim_session(self) -> bool:
+        """One more open WebSocket session, unless ``ws_max_sessions`` are open (then False)."""
+        with self._sessions_lock:
+            if self.sessions_open >= self.settings.ws_max_sessions:
+                return False
+            self.sessions_open += 1
+            return True
+
+    def release_session(self) -> None:
+        with self._sessions_lock:
+            self.sessions_open -= 1
 
     def _default_slots(self, model: TTSModel) -> int:
         budget = (self.settings.kv_budget_bytes or available_memory_bytes() // 2) - self.settings.prefix_cache_bytes
@@ -184,15 +222,30 @@ class TTSService:
         if not isinstance(key, str):
             raise ApiError("invalid_value", "voice must be a name or {\"id\": ...}", param)
         rec = self.voices.find(key)
+        if rec is None and VOICE_MIX.search(key):
+            raise ApiError("voice_mixing_unsupported", f"voice {key!r}: mixing voices ('a+b', 'a(0.5)+b') is "
+                           "Kokoro's; this model takes one voice: 'default', one of OpenAI's names, or a voice "
+                           "registered with POST /v1/audio/voices", param)
         if rec is None:
             raise ApiError("voice_not_found", f"unknown voice {key!r}: use 'default', one of OpenAI's names, or a voice registered "
                            "with POST /v1/audio/voices", param)
         try:
             codes = resolve_voice(self.model, self.limits, codes=self.voices.codes(rec))
+        except VoiceGoneError as e:      # deleted since it was looked up: as if it never was
+            raise ApiError("voice_not_found", f"unknown voice {key!r}: {e}", param) from None
         except InputError as e:
             raise ApiError("voice_unusable", str(e), param) from None
         self._load_prefix(rec, codes)
         return codes
+
+    def list_voices(self, openai_names: bool = True) -> list[VoiceEntry]:
+        """Every voice ``resolve_voice`` takes, in the order lists show them: ``default``, OpenAI's names (unless
+        ``openai_names`` is false: ElevenLabs clients know none), then the registered voices. Blocking (the
+        registry may rebuild its index from disk): call it off the event loop."""
+        entries = [VoiceEntry(DEFAULT_VOICE, "Default", "builtin")]
+        if openai_names:
+            entries += [VoiceEntry(name, name.capitalize(), "openai") for name in OPENAI_VOICES]
+        return entries + [VoiceEntry(r.id, r.name, "uploaded", r) for r in self.voices.list()]
 
     def sampling(self, fields: SamplingFields) -> SamplingParams:
         try:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import typing
 from pathlib import Path
 from typing import Literal
+from urllib.parse import urlsplit
 
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
@@ -19,8 +20,10 @@ from engine.scheduler import DEFAULT_QUEUE_TIMEOUT
 
 ENV_PREFIX = "MOSSRT_"
 # the service's stream slots are smaller than the offline tools' (engine.limits.DEFAULT_MAX_CONTEXT_ROWS,
-# 8192 rows): a served stream holds its KV slot while it is open, and 4096 rows is over 4 minutes of audio
+# 8192 rows): a served stream holds its KV slot while it generates, and 4096 rows is over 4 minutes of audio
 SERVER_MAX_CONTEXT_ROWS = 4096
+# the lists a client may be let read without a key (Open WebUI lists voices and models without sending one)
+KEYLESS_ROUTE_CHOICES = ("/v1/models", "/v1/audio/models", "/v1/audio/voices", "/v1/voices", "/v2/voices")
 
 
 def _split(value):
@@ -48,6 +51,9 @@ class ServerSettings(BaseSettings):
     bundle: Path | None = setting(None, "bundle directory (default: the built-in demo bundle)", metavar="DIR")
     host: str = setting("127.0.0.1", "bind address (containers use 0.0.0.0)")
     port: int = setting(8000, "bind port", ge=1, le=65535)
+    wyoming_uri: str | None = setting(None, "also serve the Wyoming protocol (Home Assistant) at tcp://HOST:PORT "
+                                           "or unix://PATH, in the same process; no authentication (unset: "
+                                           "off)", metavar="URI")
     device: Literal["auto", "cpu", "cuda"] = setting("auto", "onnxruntime provider (auto: CUDA when every node "
                                                              "of the bundle runs there)")
     threads: int = setting(0, "intra-op threads (0: all cores)", ge=0, le=256)
@@ -61,12 +67,16 @@ class ServerSettings(BaseSettings):
     warm_buckets: Literal["on", "off"] | None = setting(None, "run every batch bucket's calls once before /ready "
                                                               "turns 200 (unset: on when CUDA graphs are on)")
     # capacity
-    max_streams: int | None = setting(None, "concurrent streams, i.e. KV slots (unset: what half the available "
-                                            "memory holds, at most 64)", ge=1, le=1024)
+    max_streams: int | None = setting(None, "concurrently generating streams, i.e. KV slots (unset: what half the "
+                                            "available memory holds, at most 64)", ge=1, le=1024)
     kv_budget_bytes: int | None = setting(None, "memory for KV slots when --max-streams is unset (unset: half the "
                                                 "available memory)", flag=False, ge=1)
     prefix_cache_bytes: int = setting(512 * 2**20, "device memory kept for system-prompt and voice KV prefixes",
                                       flag=False, ge=0)
+    parked_context_bytes: int | None = setting(None, "host memory for the KV rows of idle conversations parked to "
+                                                     "give their slot to a waiting stream; past it the one parked "
+                                                     "first loses its context (unset: an eighth of physical "
+                                                     "memory)", flag=False, ge=0)
     max_context_rows: int = setting(SERVER_MAX_CONTEXT_ROWS, "context rows per stream: its KV slot", ge=256,
                                     le=1 << 17)
     queue_timeout: float = setting(DEFAULT_QUEUE_TIMEOUT, "seconds a request waits for a free stream, then 429",
@@ -80,7 +90,16 @@ class ServerSettings(BaseSettings):
     cors_origins: Annotated[list[str], NoDecode] = setting([], "browser origins allowed, * = any (the flag "
                                                                "repeatable, the variable comma-separated): CORS, and "
                                                                "the Origin of WebSocket upgrades", metavar="ORIGIN")
+    keyless_routes: Annotated[list[str], NoDecode] = setting([], "read-only routes a client without a key may "
+                                                                 "GET when keys are set (the flag repeatable, the "
+                                                                 "variable comma-separated; of: "
+                                                                 + ", ".join(KEYLESS_ROUTE_CHOICES) + ")",
+                                                             metavar="PATH")
     max_input_chars: int = setting(DEFAULT_MAX_TEXT_CHARS, "longest text of one request", ge=1, le=100_000)
+    normalize_text: Literal["off", "on"] = setting("off", "normalize the text of a whole utterance (numbers, "
+                                                          "currency, dates, times, URLs, e-mail addresses, phone "
+                                                          "numbers) when its request does not say (Kokoro's "
+                                                          "normalization_options; docs/normalization.md)")
     max_voice_seconds: float = setting(30.0, "longest voice sample", ge=1.0, le=600.0)
     max_upload_bytes: int = setting(10 * 1024 * 1024, "largest multipart upload (voice samples)", ge=1024,
                                     le=1 << 30)
@@ -88,6 +107,10 @@ class ServerSettings(BaseSettings):
                                   le=1 << 30)
     header_timeout: float = setting(10.0, "seconds a connection may take to send a request's headers", gt=0,
                                     le=600.0)
+    max_header_bytes: int = setting(64 * 1024, "largest request line and headers (a WebSocket upgrade's too), "
+                                               "then 431 before the key is checked", ge=8 * 1024, le=1 << 20)
+    max_header_count: int = setting(100, "most header fields of a request, then 431", ge=16, le=1000)
+    max_url_bytes: int = setting(8 * 1024, "longest request URL, then 414", ge=1024, le=64 * 1024)
     body_timeout: float = setting(60.0, "seconds a request's body may take to arrive, then 408", gt=0, le=3600.0)
     stall_timeout: float = setting(30.0, "seconds a stream waits for its client to take audio, then it ends (every "
                                          "transport)", gt=0, le=3600.0)
@@ -95,9 +118,10 @@ class ServerSettings(BaseSettings):
                               ge=1, le=1_000_000)
     voices_dir: Path = setting(_default_voices_dir(), "where registered voices are stored", metavar="DIR")
     # WebSocket sessions (ours and the ElevenLabs-compatible ones)
-    ws_idle_timeout: float = setting(60.0, "seconds a socket with no turn running may send nothing, then it is "
-                                           "closed (an ElevenLabs inactivity_timeout above it is cut to it)", gt=0,
-                                     le=3600.0)
+    ws_idle_timeout: float = setting(60.0, "seconds a socket with no turn running may go without a message that "
+                                           "does something (keep-alives and refused messages do not count), then "
+                                           "it is closed (an ElevenLabs inactivity_timeout above it is cut to it)",
+                                     gt=0, le=3600.0)
     ws_text_timeout: float = setting(30.0, "seconds an open turn waits for more text while it has nothing to "
                                            "speak, then its text is ended for it", gt=0, le=3600.0)
     ws_auth_timeout: float = setting(10.0, "seconds an ElevenLabs socket without a key in its handshake has to "
@@ -107,6 +131,9 @@ class ServerSettings(BaseSettings):
     ws_max_buffered_chars: int = setting(8192, "text received but not yet spoken, per socket", ge=16,
                                          le=1_000_000)
     ws_max_turns: int = setting(200, "turns of one socket", ge=1, le=100_000)
+    ws_max_sessions: int = setting(1000, "open WebSocket sessions (ours and the ElevenLabs ones together) per "
+                                         "server: an idle one holds no slot, so this bounds them; more are "
+                                         "refused (too_many_sessions)", ge=1, le=1_000_000)
     ws_max_contexts: int = setting(5, "open contexts of one ElevenLabs multi-context socket (ElevenLabs allows "
                                       "5)", ge=1, le=1000)
     # ElevenLabs-compatible routes: their clients send no sampling settings (a seed only as a query parameter)
@@ -114,10 +141,26 @@ class ServerSettings(BaseSettings):
     elevenlabs_greedy: bool = setting(False, "greedy decoding on the ElevenLabs routes (reproducible)",
                                       flag=False)
 
-    @field_validator("api_keys", "cors_origins", mode="before")
+    @field_validator("api_keys", "cors_origins", "keyless_routes", mode="before")
     @classmethod
     def _comma_list(cls, value):
         return _split(value)
+
+    @field_validator("wyoming_uri")
+    @classmethod
+    def _wyoming_uri(cls, uri: str | None) -> str | None:
+        if uri is None:
+            return None
+        parts = urlsplit(uri)
+        try:
+            port = parts.port
+        except ValueError:
+            port = None
+        if parts.scheme == "tcp" and parts.hostname and port:
+            return uri
+        if parts.scheme == "unix" and parts.path:
+            return uri
+        raise ValueError("a Wyoming URI is tcp://HOST:PORT or unix://PATH")
 
     @field_validator("api_keys")
     @classmethod
@@ -126,6 +169,14 @@ class ServerSettings(BaseSettings):
             if len(k) < 8 or any(c.isspace() for c in k):
                 raise ValueError("API keys must be at least 8 characters without spaces")
         return keys
+
+    @field_validator("keyless_routes")
+    @classmethod
+    def _keyless(cls, routes: list[str]) -> list[str]:
+        for r in routes:
+            if r not in KEYLESS_ROUTE_CHOICES:
+                raise ValueError(f"{r!r} is not a read-only list route: one of {', '.join(KEYLESS_ROUTE_CHOICES)}")
+        return routes
 
     def limits(self) -> Limits:
         """The engine limits the service holds every stream to."""
@@ -140,7 +191,8 @@ def env_name(field: str) -> str:
 
 def flag_name(field: str) -> str:
     """``max_streams`` → ``--max-streams``; the list settings take one value per flag (``--api-key``)."""
-    singular = {"api_keys": "api_key", "cors_origins": "cors_origin"}.get(field, field)
+    singular = {"api_keys": "api_key", "cors_origins": "cors_origin",
+                "keyless_routes": "keyless_route"}.get(field, field)
     return "--" + singular.replace("_", "-")
 
 

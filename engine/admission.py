@@ -1,10 +1,14 @@
-"""Admission: which streams hold the scheduler's KV slots, and who waits for one.
+"""Admission: which streams hold the scheduler's KV slots, who waits for one, and whose idle context is parked.
 
-A stream takes a slot at its first turn and keeps it until closed. When every slot is promised, a caller
-waits up to its queue timeout — blocking (:meth:`Admission.reserve`) or awaiting on an event loop, holding no
-thread (:meth:`Admission.areserve`) — in one first-come-first-served queue, then gets :class:`CapacityError`
-(the service's 429). The slots promised are counted here and only here (:meth:`Admission._promise`,
-:meth:`Admission._free`); the device loop takes the handles to attach and detach from :meth:`changes`.
+A stream takes a slot when a turn begins and keeps it between turns while no one else needs it. When every
+slot is promised, a caller waits up to its queue timeout — blocking (:meth:`Admission.reserve`) or awaiting
+on an event loop, holding no thread (:meth:`Admission.areserve`) — in one first-come-first-served queue;
+the head of the queue first takes the slot of the stream that has been idle (no turn in progress) the
+longest: that stream is **parked** (the device loop copies its used KV rows to the host,
+:class:`~engine.parking.ParkedContexts`, and frees the slot), and its next turn takes a slot the same way and
+gets its rows back. With no idle stream to park the caller gets :class:`CapacityError` (the service's 429)
+at its deadline. The slots promised are counted here and only here (:meth:`Admission._promise`,
+:meth:`Admission._free`); the device loop takes the handles to detach, park and attach from :meth:`changes`.
 """
 
 from __future__ import annotations
@@ -12,12 +16,26 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from typing import TYPE_CHECKING, Callable
+from typing import Callable, Protocol
+
+import numpy as np
 
 from .errors import CapacityError, EngineBrokenError, OverloadError
+from .parking import ParkedContexts
 
-if TYPE_CHECKING:
-    from .handles import StreamHandle
+
+class SlotHolder(Protocol):
+    """What admission reads and writes of a stream handle (``engine.handles.StreamHandle``)."""
+
+    closed: bool
+    reserved: bool                # promised a slot (changed by the admission only)
+    turns_begun: int              # turns begun (or beginning), counted here
+    turns_ended: int              # their ends, as the device loop delivered them
+    pinned: bool                  # fed context rows outside a turn (prime): never parked
+    idle_since: float | None      # when its last turn ended, while no other is open (None: busy)
+    evicted: bool                 # its parked context was dropped
+    admitted_at: float            # when it was last admitted (the resume's start)
+    stream: object                # its StreamState (``parked`` is set here)
 
 
 class _AsyncTicket:
@@ -35,45 +53,50 @@ class _AsyncTicket:
 
 
 class Admission:
-    """Slots promised to handles, the queue of waiters, and the handles the loop must attach or detach.
-    ``cond`` is the device loop's condition (one lock for both); ``wake_loop`` marks the loop's work dirty
-    (called holding it)."""
+    """Slots promised to handles, the queue of waiters, the parked contexts, and the handles the loop must
+    detach, park or attach. ``cond`` is the device loop's condition (one lock for all); ``wake_loop`` marks
+    the loop's work dirty (called holding it)."""
 
     def __init__(self, slots: int, queue_timeout: float, cond: threading.Condition, wake_loop: Callable[[], None],
-                 broken: Callable[[], str | None]):
+                 broken: Callable[[], str | None], parked_bytes: int = 0):
         self.slots = slots
         self.queue_timeout = queue_timeout
         self._cond = cond
         self._wake_loop = wake_loop
         self._broken = broken
         self.promised = 0                     # slots promised to handles (attached or about to be)
+        self.parked = ParkedContexts(parked_bytes)
+        self._holding: list[SlotHolder] = []  # the handles promised a slot
         self._waiting: list[object] = []      # tickets of callers waiting for a slot, in order
-        self._to_attach: list[StreamHandle] = []
-        self._to_detach: list[StreamHandle] = []
+        self._to_attach: list[SlotHolder] = []
+        self._to_park: list[SlotHolder] = []
+        self._to_detach: list[SlotHolder] = []
         self.accepting = True
         self.stopping = False
 
     # ------------------------------------------------------------------ the count (holding the lock)
-    def _promise(self, handle: "StreamHandle | None") -> None:
+    def _promise(self, handle: SlotHolder | None) -> None:
         """One more slot promised (``handle`` None: one a closed handle could not give back)."""
         self.promised += 1
         if handle is not None:
             handle.reserved = True
+            self._holding.append(handle)
 
-    def _free(self, handle: "StreamHandle | None") -> None:
+    def _free(self, handle: SlotHolder | None) -> None:
         """A promised slot is free again (``handle`` None: one whose handle already gave it up)."""
         self.promised -= 1
         if handle is not None:
             handle.reserved = False
+            self._holding.remove(handle)
         self._notify()
 
     # ------------------------------------------------------------------ callers (any thread)
-    def reserve(self, handle: "StreamHandle", wait: float | None) -> bool:
-        """Promise ``handle`` a slot (once), waiting up to ``wait`` s (default the queue timeout); False if it
-        already has one."""
+    def reserve(self, handle: SlotHolder, wait: float | None, turn: bool = True) -> bool:
+        """Promise ``handle`` a slot for a turn (``turn`` False: context rows outside a turn, which pins it),
+        waiting up to ``wait`` s (default the queue timeout); False if it already has one."""
         with self._cond:
             ticket = object()
-            deadline = self._join_queue(handle, ticket, wait)
+            deadline = self._join_queue(handle, ticket, wait, turn)
             if deadline is None:
                 return False
             try:
@@ -85,22 +108,22 @@ class Admission:
             finally:
                 self._waiting.remove(ticket)
                 self._notify()                       # the next in line may be admitted now
-            self._admit(handle)
+            self._admit(handle, turn)
             return True
 
-    async def areserve(self, handle: "StreamHandle", wait: float | None) -> bool:
+    async def areserve(self, handle: SlotHolder, wait: float | None, turn: bool = True) -> bool:
         """:meth:`reserve` on an event loop: the ticket waits on an asyncio event, set by every change that may
         admit it, so no thread is held however long the queue (the timeout is the time to the refusal)."""
         ticket = _AsyncTicket(asyncio.get_running_loop())
         with self._cond:
-            deadline = self._join_queue(handle, ticket, wait)
+            deadline = self._join_queue(handle, ticket, wait, turn)
         if deadline is None:
             return False
         try:
             while True:
                 with self._cond:
                     if self._admissible(ticket):
-                        self._admit(handle)
+                        self._admit(handle, turn)
                         return True
                     if self.stopping:
                         raise self._no_capacity()
@@ -117,17 +140,28 @@ class Admission:
                 self._waiting.remove(ticket)
                 self._notify()
 
-    def unreserve(self, handle: "StreamHandle") -> None:
-        """A first turn that failed to open gives its promise back (before the loop attached it)."""
+    def turn_failed(self, handle: SlotHolder, newly: bool) -> None:
+        """A turn that :meth:`reserve` let begin did not open: it is not counted, and a promise made for it
+        (``newly``: before the loop attached it) is given back."""
         with self._cond:
-            if handle in self._to_attach:
+            handle.turns_begun -= 1
+            self._maybe_idle(handle)
+            if newly and handle in self._to_attach:
                 self._to_attach.remove(handle)
                 self._free(handle)
 
-    def release(self, handle: "StreamHandle") -> None:
-        """A closed handle's slot is free for admission now: the loop detaches it before it attaches anyone
-        else, so a client that opens its next stream right after closing one is never refused for its own."""
+    def turn_ended(self, handle: SlotHolder) -> None:
+        """The device loop delivered the end of one of ``handle``'s turns (before its consumer can see it)."""
         with self._cond:
+            handle.turns_ended += 1
+            self._maybe_idle(handle)
+
+    def release(self, handle: SlotHolder) -> None:
+        """A closed handle's slot is free for admission now: the loop detaches it before it attaches anyone
+        else, so a client that opens its next stream right after closing one is never refused for its own.
+        A parked one's rows are dropped."""
+        with self._cond:
+            self.parked.drop(handle)
             if not handle.reserved:
                 return
             if handle in self._to_attach:
@@ -138,19 +172,28 @@ class Admission:
             self._wake_loop()
 
     # ------------------------------------------------------------------ the device loop
-    def changes(self) -> tuple[list["StreamHandle"], list["StreamHandle"]]:
-        """(handles to detach, handles to attach) since the last call (holding the lock)."""
+    def changes(self) -> tuple[list[SlotHolder], list[SlotHolder], list[SlotHolder]]:
+        """(handles to detach, to park, to attach) since the last call (holding the lock)."""
         leaving, self._to_detach = self._to_detach, []
+        parking, self._to_park = self._to_park, []
         joining, self._to_attach = self._to_attach, []
-        return leaving, joining
+        return leaving, parking, joining
 
-    def attach_failed(self, handle: "StreamHandle") -> None:
+    def keep_parked(self, handle: SlotHolder, rows: np.ndarray) -> None:
+        """The loop copied a parked handle's rows out (holding the lock): kept within the budget, evicting
+        the oldest parked contexts past it (never one that is taking its slot back)."""
+        if handle.closed:
+            return
+        for old in self.parked.put(handle, rows, lambda h: not h.reserved):
+            old.evicted = True
+
+    def attach_failed(self, handle: SlotHolder) -> None:
         """The loop could not give ``handle`` its slot: the promise is taken back."""
         with self._cond:
             if handle.reserved:
                 self._free(handle)
 
-    def detach_failed(self, handle: "StreamHandle", first: bool, retry: bool) -> None:
+    def detach_failed(self, handle: SlotHolder, first: bool, retry: bool) -> None:
         """Freeing a closed handle's slot failed: the slot is still taken (promised again on the first
         failure: admission must not give it away), and the detach is retried when ``retry``."""
         with self._cond:
@@ -172,10 +215,11 @@ class Admission:
             self._notify()
 
     # ------------------------------------------------------------------ inside (holding the lock)
-    def _join_queue(self, handle: "StreamHandle", ticket: object, wait: float | None) -> float | None:
+    def _join_queue(self, handle: SlotHolder, ticket: object, wait: float | None, turn: bool) -> float | None:
         """``ticket`` joins the queue, first come first served: its deadline, or None when ``handle`` already
-        holds a slot."""
+        holds a slot (then busy from now: it is not parked)."""
         if handle.reserved:
+            self._busy(handle, turn)
             return None
         if not self.accepting:
             raise OverloadError("the server is draining: no new streams")
@@ -186,13 +230,43 @@ class Admission:
         return time.monotonic() + (self.queue_timeout if wait is None else wait)
 
     def _admissible(self, ticket: object) -> bool:
-        return self.promised < self.slots and self._waiting[0] is ticket
+        """Whether ``ticket`` takes a slot now: first in line, and a slot free or freed by parking the
+        stream idle longest."""
+        return not self.stopping and self._waiting[0] is ticket and (self.promised < self.slots or self._park_idlest())
 
-    def _admit(self, handle: "StreamHandle") -> None:
+    def _park_idlest(self) -> bool:
+        idle = [h for h in self._holding if h.idle_since is not None and not h.closed and h not in self._to_attach]
+        if not idle:
+            return False
+        handle = min(idle, key=lambda h: h.idle_since)
+        handle.stream.parked = True          # it asks the runner for nothing until it is attached again
+        self._free(handle)
+        self._to_park.append(handle)
+        self._wake_loop()
+        return True
+
+    def _admit(self, handle: SlotHolder, turn: bool) -> None:
         self._promise(handle)
+        self._busy(handle, turn)
+        handle.admitted_at = time.monotonic()
         self._to_attach.append(handle)
         self._wake_loop()
         self._notify()
+
+    @staticmethod
+    def _busy(handle: SlotHolder, turn: bool) -> None:
+        if turn:
+            handle.turns_begun += 1
+        else:
+            handle.pinned = True
+        handle.idle_since = None
+
+    def _maybe_idle(self, handle: SlotHolder) -> None:
+        """``handle`` is idle once every turn it began has ended: a waiter may take its slot now."""
+        if not handle.pinned and handle.turns_begun and handle.turns_begun == handle.turns_ended:
+            handle.idle_since = time.monotonic()
+            if handle.reserved and self._waiting:
+                self._notify()
 
     def _no_capacity(self) -> CapacityError:
         return CapacityError(f"all {self.slots} stream slots are busy; retry later")
@@ -207,3 +281,8 @@ class Admission:
     @property
     def queued(self) -> int:
         return len(self._waiting)
+
+    @property
+    def idle(self) -> int:
+        """Handles holding a slot with no turn in progress (holding the lock)."""
+        return sum(1 for h in self._holding if h.idle_since is not None)

@@ -13,6 +13,11 @@ class ContextLimitError(InputError):
     """A turn does not fit the stream's context (prompt rows + text rows + frames > max_context_rows)."""
 
 
+class ContextEvictedError(EngineError):
+    """The stream's parked context was evicted (the parked-context budget): it cannot go on; its next turn
+    belongs on a fresh stream."""
+
+
 class TextTooLongError(InputError):
     """A text has more characters than the limit allows."""
 
@@ -23,6 +28,10 @@ class UnreadableAudioError(InputError):
 
 class VoiceExistsError(InputError):
     """A voice of that name is already registered."""
+
+
+class VoiceGoneError(InputError):
+    """A registered voice was deleted after it was looked up and before its codes were read."""
 
 
 class VoiceLimitError(InputError):

@@ -14,14 +14,12 @@ import asyncio
 import queue
 import threading
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import Callable, Protocol
 
-from .errors import StreamClosedError
+from .admission import Admission
+from .errors import ContextEvictedError, StreamClosedError
 from .sampling import SamplingParams
 from .stream import Frame, StreamState, TurnStats
-
-if TYPE_CHECKING:
-    from .scheduler import Scheduler
 
 
 # ---------------------------------------------------------------------------------------------- events
@@ -78,17 +76,28 @@ class AsyncSink:
 
 # ---------------------------------------------------------------------------------------------- handles
 class StreamHandle:
-    """A stream in a scheduler. Every method is thread-safe and returns without running a graph."""
+    """A stream in a scheduler (its ``admission``; ``wake`` wakes its device loop). Every method is thread-safe
+    and returns without running a graph. Between turns the stream may be parked (its slot given to another
+    stream, its rows kept on the host): its next turn gets them back, or, once they were evicted, refuses
+    with ContextEvictedError."""
 
-    def __init__(self, scheduler: "Scheduler", stream: StreamState, sink: EventSink, max_buffered_frames: int):
-        self._scheduler = scheduler
-        self._admission = scheduler.admission
+    def __init__(self, admission: Admission, wake: Callable[[], None], stream: StreamState, sink: EventSink,
+                 max_buffered_frames: int):
+        self._admission = admission
+        self._wake = wake
         self.stream = stream
         self.sink = sink
         self.max_buffered_frames = max_buffered_frames
         self.attached = False       # holds a runner slot (the loop attached it; until the loop detaches it)
         self.closed = False
         self.reserved = False       # admission promised it a slot (changed by the admission only)
+        # idle and parked bookkeeping (engine.admission.SlotHolder: changed holding the admission's lock)
+        self.turns_begun = 0
+        self.turns_ended = 0
+        self.pinned = False
+        self.idle_since: float | None = None
+        self.evicted = False
+        self.admitted_at = 0.0
         self._buffered = 0          # frames delivered and not yet consumed
         self._lock = threading.Lock()
 
@@ -96,9 +105,10 @@ class StreamHandle:
     def begin_turn(self, user_text: str = "", user_audio_codes=None, user_audio_wav=None,
                    max_frames: int | None = None, params: SamplingParams | None = None,
                    wait: float | None = None) -> None:
-        """Open a turn (``StreamingSession.begin_turn`` semantics). The first turn waits up to ``wait``
-        seconds (default: the scheduler's queue timeout) for a free slot, else CapacityError."""
-        self._require_open()
+        """Open a turn (``StreamingSession.begin_turn`` semantics). A stream without a slot (its first turn,
+        or parked) waits up to ``wait`` seconds (default: the scheduler's queue timeout) for one, else
+        CapacityError; ContextEvictedError when its parked context was evicted."""
+        self._require_resumable()
         self._open_turn(self._admission.reserve(self, wait), user_text, user_audio_codes, user_audio_wav,
                         max_frames, params)
 
@@ -107,65 +117,71 @@ class StreamHandle:
                           wait: float | None = None) -> None:
         """``begin_turn`` for asyncio callers: waiting for a slot awaits (it holds no thread), in the same
         first-come-first-served queue as the blocking callers; cancelling the wait leaves the queue."""
-        self._require_open()
+        self._require_resumable()
         self._open_turn(await self._admission.areserve(self, wait), user_text, user_audio_codes, user_audio_wav,
                         max_frames, params)
 
     def _open_turn(self, newly: bool, user_text, user_audio_codes, user_audio_wav, max_frames, params) -> None:
         try:
+            self._require_resumable()      # evicted while it waited (eviction never takes a reserved one)
             self.stream.begin_turn(user_text, user_audio_codes, user_audio_wav, max_frames, params)
         except BaseException:
-            if newly:
-                self._admission.unreserve(self)
+            self._admission.turn_failed(self, newly)
             raise
-        self._scheduler.wake()
+        self._wake()
+
+    def _require_resumable(self) -> None:
+        self._require_open()
+        if self.evicted:
+            raise ContextEvictedError("this stream's parked context was evicted (the parked-context budget): "
+                                      "its next turn starts on a fresh stream")
 
     def push_text(self, delta: str | bytes) -> int:
         """Assistant text, any split; returns the ids it committed."""
         self._require_open()
         n = self.stream.push_text(delta)
         if n:
-            self._scheduler.wake()
+            self._wake()
         return n
 
     def push_token_ids(self, ids) -> int:
         self._require_open()
         n = self.stream.push_token_ids(ids)
-        self._scheduler.wake()
+        self._wake()
         return n
 
     def end_text(self) -> int:
         self._require_open()
         n = self.stream.end_text()
-        self._scheduler.wake()
+        self._wake()
         return n
 
     def cancel(self) -> None:
         """Barge-in: the turn ends at the next step boundary (a frame in flight is discarded)."""
         self._require_open()
         self.stream.cancel()
-        self._scheduler.wake()
+        self._wake()
 
     def truncate_turn(self, audio_frames: int) -> int:
         self._require_open()
         kept = self.stream.truncate_turn(audio_frames)
-        self._scheduler.wake()
+        self._wake()
         return kept
 
     def prime(self, rows) -> None:
         """Feed context rows between turns without generating (``StreamState.prime``)."""
-        self._require_open()
-        self._admission.reserve(self, None)
+        self._require_resumable()
+        self._admission.reserve(self, None, turn=False)
         self.stream.prime(rows)
-        self._scheduler.wake()
+        self._wake()
 
     def prime_prefix(self, rows, wait: float | None = None) -> None:
         """Feed a stream's system block, or its text-only opening (system block + assistant header), cached
         by the scheduler's prefix cache as it goes."""
-        self._require_open()
-        self._admission.reserve(self, wait)
+        self._require_resumable()
+        self._admission.reserve(self, wait, turn=False)
         self.stream.prime(rows, prefix=True)
-        self._scheduler.wake()
+        self._wake()
 
     def close(self) -> None:
         """End the stream and free its slot at the next step boundary. Idempotent."""
@@ -185,7 +201,7 @@ class StreamHandle:
             if resume:
                 self.stream.paused = False
         if resume:
-            self._scheduler.wake()
+            self._wake()
 
     def get(self, timeout: float | None = None) -> Event:
         """The next event (QueueSink); raises queue.Empty after ``timeout``."""

@@ -15,7 +15,7 @@ import onnxruntime as ort
 
 from onnx import TensorProto, helper, numpy_helper
 
-from .device import DeviceTensor, SlotRows, ZeroFill, _graph, helper_options, slot_rows, stacked_rows
+from .device import ELEMENT, DeviceTensor, SlotRows, ZeroFill, _graph, helper_options, slot_rows, stacked_rows
 
 
 # ---------------------------------------------------------------------------------------------- backbone
@@ -38,7 +38,9 @@ class BackboneKVPool:
         self.dtype = np.dtype(dtype)      # the bundle's compute dtype: cached prefixes are kept in it too
         self.tensors = [DeviceTensor((slots, kv_heads, rows + 1, head_dim), device, self.dtype)
                         for _ in range(2 * layers)]
-        self._rows = SlotRows(2 * layers, kv_heads, head_dim, providers or ["CPUExecutionProvider"], self.dtype)
+        self._providers = providers or ["CPUExecutionProvider"]
+        self._rows = SlotRows(2 * layers, kv_heads, head_dim, self._providers, self.dtype)
+        self._blocks: ort.InferenceSession | None = None     # the park/resume copy graph, made at first use
         self.lengths = np.zeros(slots, np.int64)
 
     @staticmethod
@@ -97,9 +99,52 @@ class BackboneKVPool:
     def _new_prefix(self, n: int) -> DeviceTensor:
         return DeviceTensor((2 * self.layers, self.kv_heads, n, self.head_dim), self.device, self.dtype)
 
+    def park_rows(self, slot: int, n: int) -> np.ndarray:
+        """A compact host copy of the first ``n`` rows of a slot, [layers, 2, kv_heads, n, head_dim] (a parked
+        stream's context): device to host, one contiguous block per layer, K/V and head."""
+        host = np.empty((self.layers, 2, self.kv_heads, n, self.head_dim), self.dtype)
+        if n:
+            self._block_copy(slot, n, host, to_host=True)
+        return host
+
+    def write_rows(self, slot: int, rows: np.ndarray) -> None:
+        """Start slot ``slot`` with host rows [layers, 2, kv_heads, n, head_dim] (a parked stream's, from
+        :meth:`park_rows`): host to device."""
+        n = rows.shape[3]
+        if n:
+            self._block_copy(slot, n, np.ascontiguousarray(rows, self.dtype), to_host=False)
+        self.lengths[slot] = n
+
+    def _block_copy(self, slot: int, n: int, host: np.ndarray, to_host: bool) -> None:
+        """Copy rows 0..n-1 of every (layer, K/V, head) block of a slot to or from ``host`` in one call of an
+        Identity graph bound to both sides by pointer: a plain copy (host to device, device to host, or a
+        memcpy on CPU), no index tensors."""
+        if self._blocks is None:
+            f = ELEMENT[self.dtype]
+            count = 2 * self.layers * self.kv_heads
+            io = lambda name: helper.make_tensor_value_info(name, f, ["n", self.head_dim])
+            self._blocks = ort.InferenceSession(_graph(
+                "kv_blocks", [helper.make_node("Identity", [f"x.{i}"], [f"y.{i}"]) for i in range(count)],
+                [io(f"x.{i}") for i in range(count)], [io(f"y.{i}") for i in range(count)]),
+                helper_options(), providers=self._providers)
+        binding = self._blocks.io_binding()
+        f, shape, item = ELEMENT[self.dtype], [n, self.head_dim], self.dtype.itemsize
+        flat = host.reshape(-1, self.kv_heads, n, self.head_dim)      # a view: the same memory
+        for t, tensor in enumerate(self.tensors):
+            for h in range(self.kv_heads):
+                i = t * self.kv_heads + h
+                dev = tensor.value.data_ptr() + ((slot * self.kv_heads + h) * self.capacity) * self.head_dim * item
+                on_host = flat[t, h].ctypes.data
+                src, dst = ((self.device, dev), ("cpu", on_host)) if to_host else (("cpu", on_host), (self.device, dev))
+                binding.bind_input(f"x.{i}", src[0], 0, f, shape, src[1])
+                binding.bind_output(f"y.{i}", dst[0], 0, f, shape, dst[1])
+        self._blocks.run_with_iobinding(binding)
+
     def rows_of(self, slot: int, n: int | None = None) -> np.ndarray:
         """A host copy of the first ``n`` (default: all valid) rows of a slot, [layers, 2, kv_heads, n, head_dim]."""
         n = int(self.lengths[slot]) if n is None else n
+        if n == 0:
+            return np.zeros((self.layers, 2, self.kv_heads, 0, self.head_dim), self.dtype)
         rows = self._rows.read(slot_rows(self.tensors, slot), n)
         return rows.reshape(self.layers, 2, *rows.shape[1:])
 

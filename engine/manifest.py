@@ -170,6 +170,18 @@ class GenerationSection(_Model):
 class DemoSection(_Model):
     seed: int
     note: str
+    version: int = 1                       # of the demo's build (``mossrt`` rebuilds an older one)
+    # the random model's end rule (it never samples EOS on its own): a turn whose text is all fed ends, as at
+    # EOS, at this many frames per text id (None: no rule, the turn runs to its frame limit). Only a demo
+    # bundle has this section, so no real bundle is ever ended by it.
+    end_frames_per_text_id: float | None = Field(None, gt=0, le=100)
+
+    def describe(self) -> str:
+        """What the log says of it at load."""
+        rule = ("" if self.end_frames_per_text_id is None else
+                f"; its turns end by the demo's end rule, {self.end_frames_per_text_id:g} frames per text token "
+                "once the text is in, not by the model")
+        return self.note + rule
 
 
 class Manifest(_Model):

@@ -150,8 +150,9 @@ class StepRunner:
     def bytes_per_stream(self) -> int:
         return self.kv.nbytes_per_slot + self.decoder.state_bytes_per_stream
 
-    def attach(self, stream: StreamState) -> int:
-        """Give ``stream`` a slot (for its life); CapacityError when every slot is taken."""
+    def attach(self, stream: StreamState, rows: np.ndarray | None = None) -> int:
+        """Give ``stream`` a slot; CapacityError when every slot is taken. ``rows``: its context's KV rows
+        (from :meth:`park`), copied back into the slot."""
         if stream.limits.max_context_rows > self.max_context_rows:
             raise InputError(f"the stream allows {stream.limits.max_context_rows} context rows; this runner's "
                              f"slots hold {self.max_context_rows}")
@@ -162,6 +163,8 @@ class StepRunner:
         slot = len(self._entries)
         self.kv.lengths[slot] = 0
         self.decoder.reset(slot)          # before the entry exists: a failure here leaves the runner as it was
+        if rows is not None:
+            self.kv.write_rows(slot, rows)
         self._serial += 1
         self._entries.append(_Entry(stream, slot, self._serial))
         return slot
@@ -180,6 +183,15 @@ class StepRunner:
             self._entries[entry.slot] = last
         self._entries.pop()
         self.kv.lengths[len(self._entries)] = 0
+
+    def park(self, stream: StreamState) -> np.ndarray:
+        """A host copy of the rows the stream's context uses, [layers, 2, kv_heads, rows, head_dim] (not its
+        slot's capacity), then its slot freed (:meth:`detach`). Between turns only: its codec stream starts
+        afresh at its next turn anyway, and its sampling state is the stream's own."""
+        entry = self._entry(stream)
+        rows = self.kv.park_rows(entry.slot, min(int(self.kv.lengths[entry.slot]), stream.fed_rows))
+        self.detach(stream)
+        return rows
 
     def context_kv(self, stream: StreamState) -> np.ndarray:
         """A copy of the stream's KV rows [layers, 2, kv_heads, rows, head_dim] (tests, diagnostics)."""
@@ -234,6 +246,7 @@ class StepRunner:
                     # where its rows go, read with the request (under the stream's lock): a truncate and a
                     # new turn between the check above and want() must not make it write at the old length
                     self.kv.lengths[e.slot] = e.request.start_row
+        self._generating_first()
         prefills = sorted((e for e in self._entries if e.request is not None and len(e.request.rows) > 1),
                           key=lambda e: e.serial)
         decodes = [e for e in self._entries if e.request is not None and len(e.request.rows) == 1]
@@ -260,6 +273,32 @@ class StepRunner:
             self.timing.tick_s += spent
             self._tick_s = spent if not self._tick_s else 0.8 * self._tick_s + 0.2 * spent
         return result
+
+    def _generating_first(self) -> None:
+        """A stream whose turn starts now in a slot above an idle stream's (no turn in progress, its audio all
+        handed back) trades slots with it, so the batch bucket covers the generating streams, not idle ones
+        riding below them. Only at a turn's first request with nothing pending, when neither codec ring
+        matters (each turn's audio starts afresh); the idle stream's rows go through the host, the starting
+        one's move on the device."""
+        idle = [e for e in self._entries if self._riding_idle(e)]
+        for e in sorted(self._entries, key=lambda e: -e.slot):
+            req = e.request
+            if not idle or req is None or not req.sample or not req.first_frame or e.fed or e.pending:
+                continue
+            low = idle[0]
+            if low.slot >= e.slot:
+                break
+            idle.pop(0)
+            rows = self.kv.park_rows(low.slot, int(self.kv.lengths[low.slot]))
+            self.kv.move(e.slot, low.slot)
+            self.kv.write_rows(e.slot, rows)
+            low.slot, e.slot = e.slot, low.slot
+            self._entries[low.slot], self._entries[e.slot] = low, e
+
+    @staticmethod
+    def _riding_idle(e: _Entry) -> bool:
+        s = e.stream
+        return e.request is None and not e.pending and (not s.has_turn or s.turn_done) and not s.closed
 
     def has_work(self) -> bool:
         """Whether a tick now would run a graph or hand back frames."""

@@ -4,8 +4,9 @@ A :class:`Scheduler` owns a :class:`StepRunner` (the onnxruntime sessions' KV sl
 and runs its ticks on one thread: it attaches the streams admission let in, detaches the closed ones, runs a
 tick and hands each stream's events to its sink. Callers hold :class:`~engine.handles.StreamHandle` objects
 (``engine.handles``: they feed text and control turns from any thread and never run a graph); who holds a
-slot and who waits for one is :class:`~engine.admission.Admission`'s. Cancel and close take effect at the
-next step boundary.
+slot, who waits for one and whose idle context is parked to make room is
+:class:`~engine.admission.Admission`'s, and the loop moves a parked stream's rows out of its slot and back
+(``engine.parking``). Cancel and close take effect at the next step boundary.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
@@ -23,6 +25,7 @@ from .device import DeviceTensor
 from .errors import CapacityError, EngineError, InputError, OverloadError, StreamClosedError
 from .handles import AsyncSink, Event, EventSink, FrameEvent, QueueSink, StreamError, StreamHandle, TurnEnd
 from .limits import Limits
+from .parking import ParkingStats
 from .prefix import PrefixCache, prefix_key
 from .runner import DEFAULT_PREFILL_CHUNK_ROWS, DEFAULT_PREFILL_ROWS_PER_TICK, SERVICE_CODEC_SCHEDULE, StepRunner
 from .sampling import SamplingParams
@@ -33,6 +36,7 @@ log = logging.getLogger("mossrt.scheduler")
 DEFAULT_QUEUE_TIMEOUT = 10.0
 DEFAULT_MAX_BUFFERED_FRAMES = 250      # 20 s of audio waiting for its consumer
 MAX_DETACH_ATTEMPTS = 3                # a slot that cannot be freed so often: the device is not trustworthy
+RESUME_TIMES_KEPT = 4096               # resume durations waiting to be read (take_resume_seconds)
 
 
 @dataclass(frozen=True)
@@ -42,6 +46,8 @@ class SchedulerStats:
     queued: int            # streams waiting for a slot
     generating: int        # streams with a turn in progress
     bytes_per_stream: int  # KV slot + codec rings
+    idle: int = 0          # streams holding a slot with no turn in progress
+    parking: ParkingStats | None = None   # parked contexts: how many, their bytes, parks/resumes/evictions
 
 
 class Scheduler:
@@ -54,9 +60,11 @@ class Scheduler:
                  queue_timeout: float = DEFAULT_QUEUE_TIMEOUT,
                  max_buffered_frames: int = DEFAULT_MAX_BUFFERED_FRAMES,
                  codec_schedule: tuple[int, ...] = SERVICE_CODEC_SCHEDULE,
-                 prefix_cache_bytes: int = 0, warm_buckets: bool | None = None):
+                 prefix_cache_bytes: int = 0, warm_buckets: bool | None = None, parked_bytes: int = 0):
         """``warm_buckets``: the loop thread first runs every batch bucket's calls once on padding rows
-        (``StepRunner.warm_up``), before it serves any stream (None: the model's ``warm_buckets``)."""
+        (``StepRunner.warm_up``), before it serves any stream (None: the model's ``warm_buckets``).
+        ``parked_bytes``: host memory for the KV rows of parked streams (0: a parked stream's context is
+        evicted at once)."""
         self.model = model
         self.limits = limits or Limits()
         self.prefix_cache = PrefixCache(prefix_cache_bytes) if prefix_cache_bytes else None
@@ -68,7 +76,8 @@ class Scheduler:
         self._cond = threading.Condition()
         self._dirty = False
         self.admission = Admission(self.runner.slots, queue_timeout, self._cond, self._mark_dirty,
-                                   lambda: self.broken)
+                                   lambda: self.broken, parked_bytes)
+        self._resume_seconds: deque[float] = deque(maxlen=RESUME_TIMES_KEPT)
         self._handles: list[StreamHandle] = []    # attached, in the loop thread's view
         self._stop = False
         self._detach_failures: dict[int, int] = {}   # id(handle) -> failed detaches (its slot is still taken)
@@ -95,7 +104,16 @@ class Scheduler:
             generating = sum(1 for h in self._handles if h.stream.has_turn and not h.stream.turn_done)
             return SchedulerStats(capacity=self.runner.slots, active=self.admission.promised,
                                   queued=self.admission.queued,
-                                  generating=generating, bytes_per_stream=self.runner.bytes_per_stream())
+                                  generating=generating, bytes_per_stream=self.runner.bytes_per_stream(),
+                                  idle=self.admission.idle, parking=self.admission.parked.stats())
+
+    def take_resume_seconds(self) -> list[float]:
+        """How long each resume since the last call took, from its admission to its rows back in a slot
+        (what parking added to that turn's first audio)."""
+        with self._cond:
+            out = list(self._resume_seconds)
+            self._resume_seconds.clear()
+        return out
 
     def open_stream(self, voice_codes=None, params: SamplingParams | None = None, seed: int | None = None,
                     decode_audio: bool = True, allow_special_tokens: bool = False,
@@ -109,7 +127,7 @@ class Scheduler:
                              f"{self.limits.max_context_rows}")
         stream = StreamState(self.model, voice_codes=voice_codes, params=params, seed=seed, limits=limits,
                              decode_audio=decode_audio, allow_special_tokens=allow_special_tokens)
-        return StreamHandle(self, stream, sink or QueueSink(), self.max_buffered_frames)
+        return StreamHandle(self.admission, self.wake, stream, sink or QueueSink(), self.max_buffered_frames)
 
     def warm_prefix(self, voice_codes=None, timeout: float = 600) -> DeviceTensor | None:
         """Compute (or find) the KV of a text-only first turn's opening for ``voice_codes`` (its system block
@@ -123,7 +141,7 @@ class Scheduler:
         key = prefix_key(rows[: probe.system_rows])
         held = self.prefix_cache.peek(key)
         if held is None or self.runner.kv.prefix_rows(held) < len(rows):
-            h = StreamHandle(self, probe, QueueSink(), self.max_buffered_frames)
+            h = StreamHandle(self.admission, self.wake, probe, QueueSink(), self.max_buffered_frames)
             try:
                 h.prime_prefix(rows, wait=timeout)
                 deadline = time.monotonic() + timeout
@@ -215,12 +233,14 @@ class Scheduler:
                 self._dirty = False
                 if self._stop:
                     break
-                leaving, joining = self.admission.changes()
+                leaving, parking, joining = self.admission.changes()
             try:
                 # slot moves and resets run outside the lock: no caller waits on a device copy. Detaches
-                # first: the slots they free are already promised.
+                # and parks first: the slots they free are already promised.
                 for h in leaving:
                     self._detach(h)
+                for h in parking:
+                    self._park(h)
                 for h in joining:
                     self._attach(h)
                 with self._cond:
@@ -259,18 +279,45 @@ class Scheduler:
         if self._detach_failures.pop(id(h), 0):
             self.admission.detached_after_failures()
 
-    def _attach(self, h: StreamHandle) -> None:
-        """Give a handle its runner slot; when that fails only its stream fails (its slot is free again)."""
+    def _park(self, h: StreamHandle) -> None:
+        """Copy an idle handle's used KV rows to the host and free its slot (admission gave it away). When
+        the copy fails its context is lost (evicted: its next turn starts afresh); a failing detach is
+        retried as a closed handle's is."""
+        if not h.attached:
+            return
         try:
-            self.runner.attach(h.stream)
+            rows = self.runner.park(h.stream)
+        except Exception as exc:  # noqa: BLE001 - one stream's context, never the loop
+            log.error("parking a stream failed: %s", exc)
+            with self._cond:
+                h.evicted = True
+                self.admission.detach_failed(h, first=True, retry=True)   # its slot is taken until freed
+            self._detach_failures[id(h)] = 1
+            return
+        with self._cond:
+            self._handles.remove(h)
+            h.attached = False
+            self.admission.keep_parked(h, rows)
+
+    def _attach(self, h: StreamHandle) -> None:
+        """Give a handle its runner slot (with its parked rows, when it resumes); when that fails only its
+        stream fails (its slot is free again)."""
+        with self._cond:
+            rows = self.admission.parked.take(h)
+        try:
+            self.runner.attach(h.stream, rows)
         except Exception as exc:  # noqa: BLE001 - one stream, never the loop
             log.error("starting a stream failed: %s", exc)
+            h.evicted = h.evicted or rows is not None          # its rows are gone: its next turn starts afresh
             self.admission.attach_failed(h)
             self._fail(h, EngineError(f"the stream could not start: {exc}"))
             return
+        h.stream.parked = False
         with self._cond:
             self._handles.append(h)
             h.attached = True
+            if rows is not None:
+                self._resume_seconds.append(time.monotonic() - h.admitted_at)
 
     def _fail(self, h: StreamHandle, error: Exception) -> None:
         """The one way a stream fails: its turn ends with ERROR, and its consumer gets the error, then the
@@ -278,7 +325,13 @@ class Scheduler:
         h.stream.fail()
         h.sink.put(StreamError(error))
         for turn, stats in h.stream.take_finished():
-            h.sink.put(TurnEnd(turn, stats))
+            self._turn_end(h, turn, stats)
+
+    def _turn_end(self, h: StreamHandle, turn: int, stats) -> None:
+        """A turn's end to its consumer, counted by admission first (the handle may be idle from now: a
+        next turn its consumer begins on seeing the end is counted after it)."""
+        self.admission.turn_ended(h)
+        h.sink.put(TurnEnd(turn, stats))
 
     def _break(self, reason: str) -> None:
         """The engine is unusable: no new streams (EngineBrokenError, /ready says so); running ones go on
@@ -311,14 +364,14 @@ class Scheduler:
             for stream, turn, stats in result.turn_ends:
                 h = by_stream.get(id(stream))
                 if h is not None:
-                    h.sink.put(TurnEnd(turn, stats))
+                    self._turn_end(h, turn, stats)
         if result is None:
             return None
         return 0.0 if result.worked else self.runner.seconds_until_work()
 
     def _shutdown(self) -> None:
         with self._cond:
-            _, joining = self.admission.changes()
+            _, _, joining = self.admission.changes()
         for h in list(self._handles) + joining:
             if not h.closed:
                 self._fail(h, StreamClosedError("the scheduler stopped"))

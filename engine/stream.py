@@ -24,6 +24,7 @@ from __future__ import annotations
 import enum
 import functools
 import logging
+import math
 import threading
 from dataclasses import dataclass, field
 
@@ -135,7 +136,8 @@ class _Turn:
 
 
 class StreamState:
-    """One stream's host state across turns (its KV context lives in the runner's slot)."""
+    """One stream's host state across turns (its KV context lives in the runner's slot, or, parked, in a host
+    copy the scheduler keeps: everything else its next turn needs is here)."""
 
     def __init__(self, model, voice_codes: np.ndarray | None = None, params: SamplingParams | None = None,
                  seed: int | None = None, limits: Limits | None = None, decode_audio: bool = True,
@@ -162,6 +164,7 @@ class StreamState:
         self._last_fed: StepRequest | None = None
         self._lock = threading.RLock()
         self.paused = False                     # a consumer that does not keep up holds the stream
+        self.parked = False                     # between turns, its slot given away: it asks for nothing
         self._finished: list[tuple[int, TurnStats]] = []
         self.system_rows = len(model.prompt.system_block(self.voice_codes))
         self.tts_prompt_rows = self.system_rows + len(model.prompt.assistant_header)
@@ -385,7 +388,7 @@ class StreamState:
     def want(self) -> StepRequest | None:
         """The next rows to feed (with the sampling inputs of the frame they complete), or None."""
         t = self._turn
-        if self.closed or self._in_flight is not None or self.paused:
+        if self.closed or self._in_flight is not None or self.paused or self.parked:
             return None
         if self._prime is not None:
             rows, self._prime = self._prime, None
@@ -464,6 +467,9 @@ class StreamState:
             return None
         t, lay = self._turn, self.model.layout
         codes = np.asarray(codes, np.int64)
+        if self._demo_turn_over(t):
+            codes = codes.copy()
+            codes[0] = lay.audio_eos             # the demo's random model ends here, as a model does at EOS
         t.frames.append(codes)
         t.stats.frames += 1
         frame = Frame(index=len(t.frames) - 1, codes=codes, turn=t.serial, text_chars=self._chars_read(t))
@@ -503,6 +509,13 @@ class StreamState:
         t.pending += ids
         t.stats.text_ids += len(ids)
         return len(ids)
+
+    def _demo_turn_over(self, t: _Turn) -> bool:
+        """The demo bundle's end rule (its manifest's ``demo.end_frames_per_text_id``; a real bundle has
+        none): a turn whose text is all fed is over at that many frames per text id."""
+        rate = self.model.demo_end_frames_per_text_id
+        return (rate is not None and t.text_ended and not t.pending
+                and t.stats.frames >= max(1, math.ceil(rate * t.stats.text_ids)))
 
     def _frame_limit(self) -> int:
         """The turn's frame cap: as asked, else generous for the text seen so far (final once it ended)."""

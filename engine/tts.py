@@ -57,6 +57,9 @@ class TTSModel:
         self.kv_dtype = KV_DTYPES[tts.compute_dtype]     # backbone KV slots and cached prefixes
         self.tokenizer = TextTokenizer.from_bundle(bundle)
         self.codec = codec or Codec(bundle)
+        demo = bundle.info.demo
+        # the demo bundle's end rule for its random model (engine.stream), None for every real bundle
+        self.demo_end_frames_per_text_id = demo.end_frames_per_text_id if demo is not None else None
         gen = bundle.section("generation")
         special = bundle.section("tokenizer").special_ids
         self.layout = GridLayout(

@@ -8,6 +8,7 @@ is decoded or encoded, so an hour-long upload costs nothing.
 from __future__ import annotations
 
 import datetime as _dt
+import fcntl
 import io
 import json
 import os
@@ -15,13 +16,14 @@ import re
 import secrets
 import shutil
 import threading
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
 import soundfile as sf
 
-from .errors import InputError, UnreadableAudioError, VoiceExistsError, VoiceLimitError
+from .errors import InputError, UnreadableAudioError, VoiceExistsError, VoiceGoneError, VoiceLimitError
 from .limits import Limits
 
 Source = str | Path | bytes
@@ -98,6 +100,47 @@ def resolve_voice(model, limits: Limits, wav: tuple[np.ndarray, int] | None = No
 # ---------------------------------------------------------------------------------------------- registry
 VOICE_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9 _.\-]{0,63}$"
 _NAME = re.compile(VOICE_NAME_PATTERN)
+# a folder ``.voice_<hex>.tmp`` (a write) or ``.voice_<hex>.deleted`` (a delete) this much older than the start
+# and locked by no process (where the filesystem has locks) is what a killed process left: removed at start
+ABANDONED_AFTER_S = 60.0
+
+
+def _write_synced(path: Path, write) -> None:
+    """A new file written by ``write(file)``, on disk (fsync) before this returns."""
+    with open(path, "xb") as f:
+        write(f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _open_dir(path: Path, follow: bool = False) -> int:
+    return os.open(path, os.O_RDONLY | os.O_DIRECTORY | (0 if follow else os.O_NOFOLLOW))
+
+
+def _lock(fd: int, wait: bool = True) -> bool:
+    """An exclusive flock on ``fd``: False when another process holds it (``wait=False``). A filesystem
+    without locks (some network ones) counts as locked by us: the age of a leftover decides alone there."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+    except BlockingIOError:
+        return False
+    except OSError:
+        pass
+    return True
+
+
+def _sync_dir(path: Path) -> None:
+    """A folder's entries on disk (best effort: some filesystems cannot sync a folder)."""
+    try:
+        fd = _open_dir(path, follow=True)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 @dataclass(frozen=True)
@@ -115,6 +158,10 @@ class VoiceRecord:
 
 class VoiceRegistry:
     """Named voices on disk: ``<dir>/<id>/codes.npy`` ([frames, 16] int64) and ``meta.json``. Thread-safe.
+
+    A voice appears whole or not at all: its files are written and synced in a temp folder (locked while
+    written) that is then renamed into place, and a delete renames it away before removing it; what a
+    killed process leaves (temp folders, a prefix's temp file) is removed at start, never listed.
 
     Names are restricted to letters, digits, space, ``_.-`` (64 characters): they never become paths;
     ids are generated (``voice_<hex>``). Codes depend on the codec, so a voice remembers the bundle that
@@ -139,6 +186,7 @@ class VoiceRegistry:
         except OSError as e:
             raise InputError(f"voices directory {self.dir}: {e}") from None
         with self._lock:
+            self._sweep()
             self._rebuild()
 
     @staticmethod
@@ -169,6 +217,29 @@ class VoiceRegistry:
         self._by_name = {}
         for r in records:
             self._by_name.setdefault(r.name, r.id)     # the oldest of a (hand-made) duplicate name wins
+
+    def _sweep(self) -> None:
+        """Remove what a killed process left: a write's temp folder (never renamed, so never a voice), a
+        delete's, and prefix temp files. A folder another process is still writing is locked and left alone."""
+        now = time.time()
+        for leftover in self.dir.glob(".voice_*"):
+            try:
+                if leftover.is_symlink() or not leftover.is_dir() or now - leftover.stat().st_mtime < ABANDONED_AFTER_S:
+                    continue
+                fd = _open_dir(leftover)
+            except OSError:
+                continue
+            try:
+                if _lock(fd, wait=False):                # else a write in progress in another process
+                    shutil.rmtree(leftover, ignore_errors=True)
+            finally:
+                os.close(fd)
+        for tmp in self.dir.glob("voice_*/prefix-kv-*.tmp.npy"):   # a cache: its writer tolerates the loss
+            try:
+                if now - tmp.stat().st_mtime >= ABANDONED_AFTER_S:
+                    tmp.unlink()
+            except OSError:
+                continue
 
     def _lookup(self, key: str) -> VoiceRecord | None:
         rec = self._by_id.get(key)
@@ -234,9 +305,19 @@ class VoiceRegistry:
                               frames=int(codes.shape[0]), bundle=self.bundle_identity)
             tmp = self.dir / f".{vid}.tmp"
             tmp.mkdir()
-            np.save(tmp / "codes.npy", codes)
-            (tmp / "meta.json").write_text(json.dumps(asdict(rec)), encoding="utf-8")
-            os.replace(tmp, self.dir / vid)       # atomic: a crash never leaves a half-written voice
+            fd = _open_dir(tmp)
+            try:
+                _lock(fd)                                 # while written: another process's start leaves it
+                _write_synced(tmp / "codes.npy", lambda f: np.save(f, codes))
+                _write_synced(tmp / "meta.json", lambda f: f.write(json.dumps(asdict(rec)).encode()))
+                _sync_dir(tmp)
+                os.replace(tmp, self.dir / vid)       # atomic: a crash never leaves a half-written voice
+                _sync_dir(self.dir)                   # the rename itself on disk
+            except BaseException:
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise
+            finally:
+                os.close(fd)
             self._insert(rec)
             return rec
 
@@ -245,6 +326,10 @@ class VoiceRegistry:
             raise InputError(f"voice {rec.name!r} was encoded by another bundle's codec; register it again")
         try:
             return np.load(self.dir / rec.id / "codes.npy", allow_pickle=False)
+        except FileNotFoundError:
+            if not (self.dir / rec.id).is_dir():         # deleted since it was looked up
+                raise VoiceGoneError(f"voice {rec.name!r} was deleted") from None
+            raise InputError(f"voice {rec.name!r} is damaged on disk (no codes); register it again") from None
         except (OSError, ValueError) as e:
             raise InputError(f"voice {rec.name!r} is damaged on disk ({e}); register it again") from None
 
@@ -274,10 +359,20 @@ class VoiceRegistry:
         return kv if kv.dtype == dtype else None
 
     def delete(self, key: str) -> VoiceRecord | None:
+        """The voice deleted (None: no such voice, or another request deleted it first). Its folder is
+        renamed away first (atomic: a reader gets the whole voice or VoiceGoneError), then removed."""
         rec = self.find(key)
         if rec is None:
             return None
         with self._lock:
-            shutil.rmtree(self.dir / rec.id, ignore_errors=True)
+            if rec.id not in self._by_id:                # deleted meanwhile: one delete reports it
+                return None
+            trash = self.dir / f".{rec.id}.deleted"
+            try:
+                os.replace(self.dir / rec.id, trash)
+            except FileNotFoundError:                  # deleted by another process sharing the folder
+                self._remove(rec)
+                return None
+            shutil.rmtree(trash, ignore_errors=True)
             self._remove(rec)
         return rec

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from mossrt.argtypes import finite_float
 
+from .calls import CallPlan
 from .clients import RequestOptions
 from .runner import RunConfig, Runner
 from .stats import __doc__ as DEFINITIONS
@@ -24,6 +25,7 @@ from .texts import load_texts
 EPILOG = """examples:
   python -m loadtest --url http://127.0.0.1:8000 --concurrency 1,4,16 --transport http,ws --out results/
   python -m loadtest --url https://tts.example.com --api-key $KEY --rate 0.5,1,2 --duration 60 --transport ws
+  python -m loadtest --calls 12 --call-s 60 --talk-s 2 --gap-s 4 --transport ws,elevenlabs   # voice-agent calls
 """
 
 
@@ -112,12 +114,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="wait this long for /ready at start (s; default %(default)s)")
 
     load = p.add_argument_group("load")
-    load.add_argument("--transport", type=_transports, default=["http"],
+    load.add_argument("--transport", type=_transports,
                       help="http, ws, elevenlabs (the ElevenLabs-compatible multi-stream-input WebSocket), "
-                           "comma-separated, or both (http,ws)")
+                           "comma-separated, or both (http,ws); default http, with --calls ws")
     g = load.add_mutually_exclusive_group()
     g.add_argument("--concurrency", type=_ints, help="concurrent streams per level, e.g. 1,4,16 (default 1)")
     g.add_argument("--rate", type=_floats, help="arrival rates in requests/s per level, e.g. 0.5,1,2")
+    g.add_argument("--calls", type=_ints, help="voice-agent mode: concurrent calls per level, e.g. 4,12 (each one "
+                                               "socket alternating a turn and a listening gap; ws, elevenlabs)")
     load.add_argument("--arrival", choices=["poisson", "fixed"], default="poisson",
                       help="with --rate (default %(default)s)")
     load.add_argument("--requests", type=positive_int, help="requests per level (default: max(8, 2 x concurrency); 20 at a "
@@ -156,6 +160,19 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--playback-prebuffer-ms", type=non_negative_float, default=0.0,
                    help="simulated player starts this long after the first chunk (default %(default)s)")
 
+    c = p.add_argument_group("voice-agent calls (--calls)")
+    c.add_argument("--call-s", type=positive_float, default=60.0,
+                   help="a call starts no new turn after this long (s; default %(default)s)")
+    c.add_argument("--talk-s", type=positive_float, default=2.0,
+                   help="each turn's speech: text of about 14 characters a second of it; on our WebSocket "
+                        "also max_frames, unless --max-frames is given (s; default %(default)s)")
+    c.add_argument("--gap-s", type=non_negative_float, default=4.0,
+                   help="the listening gap after each turn's audio has played (s; default %(default)s)")
+    c.add_argument("--keepalive-s", type=non_negative_float, default=1.0,
+                   help="a keep-alive this often during a gap (0: none; s; default %(default)s)")
+    c.add_argument("--turns", type=positive_int, help="a call ends after this many turns (default: when --call-s "
+                                                      "is up)")
+
     o = p.add_argument_group("output")
     o.add_argument("--out", help="directory for report.json, table.txt and the plots")
     o.add_argument("--no-plots", action="store_true")
@@ -182,9 +199,15 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
                           llm_tokens_per_s=args.llm_tokens_per_s, delta_max_chars=args.delta_max_chars,
                           prebuffer_s=args.playback_prebuffer_ms / 1000, connect_timeout=args.connect_timeout,
                           trace_streams=args.trace_streams)
-    mode = "rate" if args.rate else "concurrency"
-    return RunConfig(opts=opts, transports=args.transport, mode=mode,
-                     levels=args.rate or args.concurrency or [1.0], requests=args.requests, duration=args.duration,
+    mode = "rate" if args.rate else "voice-agent" if args.calls else "concurrency"
+    transports = args.transport or (["ws"] if args.calls else ["http"])
+    if args.calls and "http" in transports:
+        raise SystemExit("--calls runs over the WebSockets: --transport ws, elevenlabs or ws,elevenlabs")
+    plan = CallPlan(call_s=args.call_s, talk_s=args.talk_s, gap_s=args.gap_s, keepalive_s=args.keepalive_s,
+                    turns=args.turns)
+    return RunConfig(opts=opts, transports=transports, mode=mode, plan=plan,
+                     levels=args.rate or args.calls or args.concurrency or [1.0], requests=args.requests,
+                     duration=args.duration,
                      arrival=args.arrival, request_timeout=args.request_timeout, deadline=args.deadline,
                      texts=load_texts(args.texts), seed=args.seed, warmup=args.warmup, pause=args.pause,
                      settle_timeout=args.settle_timeout, backoff_429=not args.no_backoff,
@@ -223,6 +246,14 @@ def _cpu(h: dict) -> str:
     return f"{h['busy_cores']:.2f}/{h['cpus']} ({_f(others, 2)})"
 
 
+def _aligned(rows: list[tuple]) -> list[str]:
+    """Right-aligned columns, a rule under the head row."""
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return lines
+
+
 def format_table(levels: list[dict]) -> str:
     head = ("transport", "level", "req", "ok", "429", "err", "TTFA p50", "p90", "p99 ms", "RTF p50", "p90",
             "genRTF p50", "gap p50", "p99 ms", "delivery gap p50", "p99 ms", "underruns (streams)", "stall s",
@@ -236,13 +267,32 @@ def format_table(levels: list[dict]) -> str:
                      _f(s["delivery_gap_ms"]["p99"]),
                      f"{s['underruns']} ({s['streams_with_underruns']})", _f(s["stall_s"], 2),
                      _f(s["throughput_audio_s_per_s"], 2), _cpu(s.get("host_cpu") or {})))
-    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
-    lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows]
-    lines.insert(1, "  ".join("-" * w for w in widths))
+    lines = _aligned(rows)
     errs = [f"{s['transport']} {s['level']:g}: {s['errors_by_kind']}" for s in levels if s["errors_by_kind"]]
     if errs:
         lines += ["", "errors by kind:"] + ["  " + e for e in errs]
+    calls = [s for s in levels if "voice_agent" in s]
+    if calls:
+        lines += ["", format_calls_table(calls)]
     return "\n".join(lines)
+
+
+def format_calls_table(levels: list[dict]) -> str:
+    """Voice-agent mode: calls served, turns, 429s, first and resumed turns' TTFA, talk share, parks."""
+    head = ("transport", "calls", "served", "429 calls", "failed", "turns", "ok", "complete", "429", "first TTFA p50",
+            "p95 ms", "resumed TTFA p50", "p95 ms", "talk share", "parks", "resumes", "evictions")
+    rows = [head]
+    for s in sorted(levels, key=lambda s: (s["transport"], s["level"])):
+        v = s["voice_agent"]
+        rows.append((s["transport"], str(v["calls"]), str(v["served"]), str(v["rejected"]), str(v["failed"]),
+                     str(v["turns"]), str(v["turns_ok"]), str(v["turns_complete"]), str(v["turns_429"]),
+                     _f(v["ttfa_first_ms"]["p50"]), _f(v["ttfa_first_ms"]["p95"]), _f(v["ttfa_resumed_ms"]["p50"]),
+                     _f(v["ttfa_resumed_ms"]["p95"]), _f(v["talk_share"], 2), _f(v["parks"]), _f(v["resumes"]),
+                     _f(v["parked_evictions"])))
+    lines = _aligned(rows)
+    errs = [f"{s['transport']} {s['level']:g}: {s['voice_agent']['errors_by_kind']}" for s in levels
+            if s["voice_agent"]["errors_by_kind"]]
+    return "\n".join(lines + (["", "calls failed by kind:"] + ["  " + e for e in errs] if errs else []))
 
 
 def redact(argv: list[str]) -> list[str]:

@@ -160,28 +160,41 @@ async def ws_stream(opts: RequestOptions, rec: StreamRecord, text: str) -> None:
     try:
         with _ws_failures(rec):
             async with ws_connect(opts.ws_url, **kwargs) as ws:
-                first = await _recv_json(ws)
-                if first.get("type") != "session.created":
-                    _ws_error(rec, first)
+                if not await _open_session(ws, rec, t0, opts.generation_params(rec.seed)):
                     return
-                rec.connect_s = time.perf_counter() - t0
-                update = opts.generation_params(rec.seed)
-                if update:
-                    await ws.send(json.dumps({"type": "session.update", **update}))
-                    reply = await _recv_json(ws)
-                    if reply.get("type") != "session.updated":
-                        _ws_error(rec, reply)
-                        return
-                deltas = split_deltas(text, opts.delta_max_chars) if opts.llm_tokens_per_s > 0 else [text]
                 sent = time.perf_counter()
-                done_at: list[float] = []
-                sender = asyncio.create_task(_send_text(ws, deltas, opts.llm_tokens_per_s, sent, done_at, rec))
-                try:
-                    await _receive_turn(ws, rec, sent, sender)
-                finally:
-                    await _finish_sending(sender, rec, sent, done_at)
+                await ws_turn(ws, opts, rec, text, sent)
     finally:
         _end_record(rec, sent, t0)
+
+
+async def ws_turn(ws, opts: RequestOptions, rec: StreamRecord, text: str, sent: float) -> None:
+    """One turn on an open session: the text as paced deltas from ``sent`` on, input.done, its audio until
+    response.done."""
+    deltas = split_deltas(text, opts.delta_max_chars) if opts.llm_tokens_per_s > 0 else [text]
+    done_at: list[float] = []
+    sender = asyncio.create_task(_send_text(ws, deltas, opts.llm_tokens_per_s, sent, done_at, rec))
+    try:
+        await _receive_turn(ws, rec, sent, sender)
+    finally:
+        await _finish_sending(sender, rec, sent, done_at)
+
+
+async def _open_session(ws, rec: StreamRecord, t0: float, update: dict) -> bool:
+    """``session.created`` (``connect_s`` measured to it), then ``session.update`` with ``update`` if any;
+    False (recorded) when the server answers anything else."""
+    first = await _recv_json(ws)
+    if first.get("type") != "session.created":
+        _ws_error(rec, first)
+        return False
+    rec.connect_s = time.perf_counter() - t0
+    if update:
+        await ws.send(json.dumps({"type": "session.update", **update}))
+        reply = await _recv_json(ws)
+        if reply.get("type") != "session.updated":
+            _ws_error(rec, reply)
+            return False
+    return True
 
 
 # ---------------------------------------------------------------------------------------------- ElevenLabs
@@ -202,39 +215,50 @@ async def elevenlabs_stream(opts: RequestOptions, rec: StreamRecord, text: str) 
             async with ws_connect(opts.elevenlabs_url(rec.seed), **kwargs) as ws:
                 rec.connect_s = time.perf_counter() - t0
                 await ws.send(json.dumps({"text": " ", "context_id": "c"}))
-                deltas = split_deltas(text, opts.delta_max_chars) if opts.llm_tokens_per_s > 0 else [text]
                 sent = time.perf_counter()
-                done_at: list[float] = []
-                messages = [{"text": d, "context_id": "c"} for d in deltas]
-                end = [{"context_id": "c", "flush": True}, {"context_id": "c", "close_context": True}]
-                sender = asyncio.create_task(_send_paced(ws, messages, end, opts.llm_tokens_per_s, sent, done_at, rec))
-                try:
-                    while True:
-                        data = json.loads(await ws.recv())
-                        now = time.perf_counter()
-                        if data.get("error"):
-                            kind = "ws_429" if data["error"] in ("no_capacity", "rate_limited") else "ws_error"
-                            if kind == "ws_429" and rec.status in ("pending", "ok"):
-                                rec.status, rec.error_kind = "rejected", f"ws_429:{data['error']}"
-                                rec.retry_after_s = DEFAULT_RETRY_AFTER_S
-                            else:
-                                fail_record(rec, f"{kind}:{data['error']}", data.get("message"))
-                            rec.total_s = now - sent
-                            return
-                        if data.get("audio"):
-                            rec.on_audio(now, sent, len(base64.b64decode(data["audio"])))
-                        if data.get("isFinal") is True:
-                            rec.total_s = now - sent
-                            if rec.status == "pending":
-                                if rec.audio_bytes:
-                                    rec.status = "ok"
-                                else:
-                                    fail_record(rec, "no_audio")
-                            return
-                finally:
-                    await _finish_sending(sender, rec, sent, done_at)
+                await elevenlabs_context(ws, opts, rec, text, sent, "c")
     finally:
         _end_record(rec, sent, t0)
+
+
+async def elevenlabs_context(ws, opts: RequestOptions, rec: StreamRecord, text: str, sent: float, cid: str) -> None:
+    """One utterance on an opened context: the text as paced deltas from ``sent`` on, a flush and
+    close_context, its audio until its isFinal."""
+    deltas = split_deltas(text, opts.delta_max_chars) if opts.llm_tokens_per_s > 0 else [text]
+    done_at: list[float] = []
+    messages = [{"text": d, "context_id": cid} for d in deltas]
+    end = [{"context_id": cid, "flush": True}, {"context_id": cid, "close_context": True}]
+    sender = asyncio.create_task(_send_paced(ws, messages, end, opts.llm_tokens_per_s, sent, done_at, rec))
+    try:
+        await _receive_context(ws, rec, sent)
+    finally:
+        await _finish_sending(sender, rec, sent, done_at)
+
+
+async def _receive_context(ws, rec: StreamRecord, sent: float) -> None:
+    """An ElevenLabs context's audio until its ``isFinal`` (or an error, recorded: no_capacity is a 429)."""
+    while True:
+        data = json.loads(await ws.recv())
+        now = time.perf_counter()
+        if data.get("error"):
+            kind = "ws_429" if data["error"] in ("no_capacity", "rate_limited") else "ws_error"
+            if kind == "ws_429" and rec.status in ("pending", "ok"):
+                rec.status, rec.error_kind = "rejected", f"ws_429:{data['error']}"
+                rec.retry_after_s = DEFAULT_RETRY_AFTER_S
+            else:
+                fail_record(rec, f"{kind}:{data['error']}", data.get("message"))
+            rec.total_s = now - sent
+            return
+        if data.get("audio"):
+            rec.on_audio(now, sent, len(base64.b64decode(data["audio"])))
+        if data.get("isFinal") is True:
+            rec.total_s = now - sent
+            if rec.status == "pending":
+                if rec.audio_bytes:
+                    rec.status = "ok"
+                else:
+                    fail_record(rec, "no_audio")
+            return
 
 
 def _end_record(rec: StreamRecord, sent: float | None, t0: float) -> None:

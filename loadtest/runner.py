@@ -1,4 +1,5 @@
-"""Levels of load, one after another: a fixed number of concurrent streams or an arrival rate, per transport.
+"""Levels of load, one after another: a fixed number of concurrent streams, an arrival rate, or a number of
+voice-agent calls (:mod:`loadtest.calls`), per transport.
 
 Everything is bounded: requests per level (or a duration), a per-request timeout, and one overall deadline
 after which whatever is in flight is cancelled (and recorded as ``deadline``) and the run reports what it has.
@@ -16,17 +17,23 @@ from dataclasses import dataclass, field
 import httpx
 
 from . import promtext
+from .calls import CallPlan, CallRecord, voice_call
 from .clients import DEFAULT_RETRY_AFTER_S, RequestOptions, elevenlabs_stream, fail_record, http_stream, ws_stream
 from .hostcpu import CpuMeter
-from .stats import StreamRecord, summarize
+from .stats import StreamRecord, summarize, summarize_calls
+
+# what the server counts of parked conversations (docs/operations.md), read over each voice-agent level
+PARKING_SERIES = {"parks": "mossrt_parks_total", "resumes": "mossrt_resumes_total",
+                  "parked_evictions": "mossrt_parked_evictions_total"}
 
 
 @dataclass
 class RunConfig:
     opts: RequestOptions
     transports: list[str] = field(default_factory=lambda: ["http"])
-    mode: str = "concurrency"                 # concurrency | rate
+    mode: str = "concurrency"                 # concurrency | rate | voice-agent (levels: calls)
     levels: list[float] = field(default_factory=lambda: [1])
+    plan: CallPlan = field(default_factory=CallPlan)   # voice-agent mode: what each call does
     requests: int | None = None               # per level; None: see requests_for()
     duration: float | None = None             # per level: stop starting new requests after this
     arrival: str = "poisson"                  # rate mode: poisson | fixed
@@ -47,7 +54,7 @@ class RunConfig:
     def requests_for(self, level: float) -> int | None:
         if self.requests is not None:
             return self.requests
-        if self.duration is not None:
+        if self.duration is not None or self.mode == "voice-agent":
             return None
         return max(8, 2 * int(level)) if self.mode == "concurrency" else 20
 
@@ -137,6 +144,47 @@ class Runner:
             rec.total_s = time.perf_counter() - started
         return rec
 
+    # ------------------------------------------------------------------ voice-agent calls
+    async def one_call(self, transport: str, level: float, index: int, records: list, calls: list,
+                       level_t0: float, text_offset: int) -> None:
+        cfg = self.cfg
+        call = CallRecord(transport=transport, level=level, index=index,
+                          start_s=round(time.perf_counter() - level_t0, 4))
+        calls.append(call)
+
+        def new_turn(turn: int) -> StreamRecord:
+            rec = StreamRecord(transport=transport, level=level, index=len(records), text_chars=0,
+                               seed=None if cfg.seed is None else cfg.seed + index, call=index, turn=turn)
+            records.append(rec)
+            return rec
+
+        texts = cfg.texts[text_offset % len(cfg.texts):] + cfg.texts[:text_offset % len(cfg.texts)]
+        try:
+            await asyncio.wait_for(voice_call(transport, cfg.opts, cfg.plan, call, texts, new_turn),
+                                   cfg.plan.call_s + cfg.request_timeout)
+        except asyncio.TimeoutError:
+            call.status, call.error_kind = "error", "call_timeout"
+        except asyncio.CancelledError:
+            call.status, call.error_kind = "error", "deadline"
+            raise
+        except Exception as e:  # noqa: BLE001 - a client bug is one failed call, not a crashed run
+            call.status, call.error_kind = "error", f"client:{type(e).__name__}"
+        for rec in records:
+            if rec.call == index and rec.status == "pending":
+                fail_record(rec, call.error_kind or "incomplete")
+
+    async def _voice_agent(self, transport: str, level: float, records: list, t0: float, offset: int,
+                           calls: list) -> None:
+        """``level`` calls, their starts spread over one turn and gap, so that about talk / (talk + gap) of
+        them speak at any time."""
+        n, plan = int(level), self.cfg.plan
+
+        async def staggered(k: int) -> None:
+            await asyncio.sleep(k * (plan.talk_s + plan.gap_s) / n)
+            await self.one_call(transport, level, k, records, calls, t0, offset)
+
+        await asyncio.gather(*(staggered(k) for k in range(n)))
+
     # ------------------------------------------------------------------ levels
     async def _concurrency(self, transport: str, level: float, records: list, t0: float, offset: int) -> None:
         n, total = int(level), self.cfg.requests_for(level)
@@ -181,14 +229,18 @@ class Runner:
 
     async def level(self, transport: str, level: float, text_offset: int) -> tuple[list[StreamRecord], dict]:
         records: list[StreamRecord] = []
+        calls: list[CallRecord] = []
         samples: list[dict] = []
         load_before = _loadavg()
         before = await self.metrics()
         cpu = CpuMeter(self.cfg.server_pid)
         t0 = time.perf_counter()
         sampler = asyncio.create_task(self._sample_server(samples))
-        body = (self._concurrency if self.cfg.mode == "concurrency" else self._rate)(
-            transport, level, records, t0, text_offset)
+        if self.cfg.mode == "voice-agent":
+            body = self._voice_agent(transport, level, records, t0, text_offset, calls)
+        else:
+            body = (self._concurrency if self.cfg.mode == "concurrency" else self._rate)(
+                transport, level, records, t0, text_offset)
         try:
             await asyncio.wait_for(body, max(0.0, self.deadline_at - time.perf_counter()))
         except asyncio.TimeoutError:
@@ -210,6 +262,10 @@ class Runner:
         }
         summary["client_loadavg_1m"] = {"before": load_before, "after": _loadavg()}
         summary["host_cpu"] = host_cpu
+        if self.cfg.mode == "voice-agent":
+            parking = {key: _series_delta(before, after, name) for key, name in PARKING_SERIES.items()}
+            summary["voice_agent"] = summarize_calls(calls, records, parking)
+            summary["voice_agent"]["call_records"] = [c.to_json() for c in calls]
         return records, summary
 
     async def warmup(self, transport: str) -> list[str]:
@@ -249,7 +305,8 @@ class Runner:
                     if cfg.pause > 0:
                         await asyncio.sleep(min(cfg.pause, max(0.0, self.deadline_at - time.perf_counter())))
                     self.log(f"[loadtest] {transport} {cfg.mode}={level:g}: "
-                             f"{cfg.requests_for(level) or 'duration-bounded'} requests ...")
+                             + (f"{level:g} calls of {cfg.plan.call_s:g} s ..." if cfg.mode == "voice-agent" else
+                                f"{cfg.requests_for(level) or 'duration-bounded'} requests ..."))
                     records, summary = await self.level(transport, level, text_offset=li * 7)
                     result["levels"].append(summary)
                     result["streams"].extend(r.to_json() for r in records)
@@ -261,6 +318,13 @@ class Runner:
         result["deadline_hit"] = self.deadline_hit
         result["elapsed_s"] = round(time.perf_counter() - self.t_start, 3)
         return result
+
+
+def _series_delta(before: dict, after: dict, name: str) -> float | None:
+    """How much the counter ``name`` grew between two /metrics snapshots; None when the server has no such
+    series (an older server, or /metrics unreachable)."""
+    b, a = before.get("samples", {}), after.get("samples", {})
+    return None if name not in a else round(a[name] - b.get(name, 0.0), 6)
 
 
 def _loadavg() -> float | None:

@@ -86,6 +86,8 @@ class StreamRecord:
     finish_reason: str | None = None        # WS response.done
     server_timing: dict | None = None       # WS response.done timing
     deltas: int | None = None               # WS: text deltas sent
+    call: int | None = None                 # voice-agent mode: the call this turn belongs to
+    turn: int | None = None                 # voice-agent mode: 0 for a call's first turn
     deliveries: int = 0
     delivery_gap_max_s: float | None = None
     trace: list | None = None               # [[ms after sent, bytes], ...] of every chunk (--trace-streams)
@@ -120,6 +122,11 @@ class StreamRecord:
         self.audio_bytes += nbytes
         self.audio_s = self.audio_bytes / BYTES_PER_SECOND
         self.chunks += 1
+
+    def played_by(self) -> float | None:
+        """When the simulated player finishes what has arrived (the client's clock; None before any audio)."""
+        player = getattr(self, "_player", None)
+        return player.end if player is not None else None
 
     def finish_audio(self, sent: float) -> None:
         """Derived per-stream numbers once the stream has ended (however it ended)."""
@@ -193,6 +200,31 @@ def summarize(records: list[StreamRecord], wall_s: float, transport: str, mode: 
         summary["ttfa_after_done_ms"] = _scaled(pct([r.ttfa_after_done_s for r in ok]), 1000)
         summary["finish_reasons"] = _count(r.finish_reason for r in ok)
     return summary
+
+
+INCOMPLETE_REASONS = ("context_limit", "cancelled", "no_text", "error")
+
+
+def summarize_calls(calls: list, turns: list[StreamRecord], server: dict) -> dict:
+    """Voice-agent mode's numbers: calls served (every turn spoken, to its time), turns, 429s, TTFA of first
+    turns and of later (resumed) turns apart, the served calls' talk share (audio seconds / call time), and
+    ``server``: the parks, resumes and evictions the server counted over the level (None where the server
+    has no such series)."""
+    ok = [r for r in turns if r.status == "ok"]
+    errors = _count(c.error_kind for c in calls if c.status == "error")
+    shares = [c.talk_share for c in calls if c.status == "ok" and c.talk_share is not None]
+    return {
+        "calls": len(calls), "served": sum(c.status == "ok" for c in calls),
+        "rejected": sum(c.status == "rejected" for c in calls), "failed": sum(c.status == "error" for c in calls),
+        "errors_by_kind": errors,
+        "turns": len(turns), "turns_ok": len(ok), "turns_429": sum(r.status == "rejected" for r in turns),
+        "turns_complete": sum(r.finish_reason not in INCOMPLETE_REASONS for r in ok),
+        "ttfa_first_ms": _scaled(pct([r.ttfa_s for r in ok if r.turn == 0], (50, 95)), 1000),
+        "ttfa_resumed_ms": _scaled(pct([r.ttfa_s for r in ok if r.turn], (50, 95)), 1000),
+        "talk_share": round(float(np.mean(shares)), 3) if shares else None,
+        "keepalives": sum(c.keepalives for c in calls),
+        **server,
+    }
 
 
 def _count(items) -> dict:

@@ -157,7 +157,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.set_defaults(func=c.cmd_demo)
 
     sy = sub.add_parser("synth", help="text (+ voice) -> speech, offline")
-    bundle_flag(sy)
+    sy.add_argument("--bundle", help="bundle directory written by 'mossrt export' (default: the built-in demo "
+                                     "bundle, as mossrt serve)")
     sy.add_argument("--text", required=True, help="text to speak")
     sy.add_argument("--out", required=True, help="audio file; the extension picks the format (.wav = 32-bit float)")
     sy.add_argument("--voice", help="reference voice audio file (encoded with the bundle's codec)")

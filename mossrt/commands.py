@@ -119,7 +119,7 @@ def load_model(args):
 
     bundle = Bundle(args.bundle, device=args.device, threads=args.threads, profile_dir=profile_dir(args))
     if bundle.is_demo:
-        progress(f"note: {args.bundle} is the demo bundle ({bundle.info.demo.note})")
+        progress(f"note: {args.bundle} is the demo bundle ({bundle.info.demo.describe()})")
     return TTSModel(bundle, cuda_graphs=cuda_graphs_choice(args), warm_buckets=warm_buckets_choice(args))
 
 
@@ -211,6 +211,8 @@ def cmd_synth(args) -> None:
         raise CliError("give --voice or --voice-codes, not both")
     limits = limits_from(args)
     limits.check_text_chars(args.text)
+    if args.bundle is None:                       # as mossrt serve: the built-in demo bundle
+        args.bundle = str(ensure_demo_bundle())
     target = audio_target(args.out)
     codes_out = npy_output(args.codes_out, "--codes-out") if args.codes_out else None
     voice_wav = read_reference_audio(args.voice, limits) if args.voice else None
@@ -403,13 +405,15 @@ def ensure_demo_bundle(path: Path | None = None) -> Path:
     """The demo bundle, built on first use (seconds, no download); rebuilt when its format is outdated."""
     from engine.bundle import Bundle
     from engine.errors import BundleError
-    from export.demo import build_demo_bundle
+    from export.demo import DEMO_VERSION, build_demo_bundle
 
     path = path or default_demo_dir()
     if (path / "manifest.json").is_file():
         try:
-            Bundle(path, device="cpu")
-            return path
+            demo = Bundle(path, device="cpu").info.demo
+            if demo is None or demo.version == DEMO_VERSION:      # (a bundle not built here is never rewritten)
+                return path
+            progress(f"rebuilding the demo bundle in {path} (version {demo.version}, now {DEMO_VERSION})")
         except BundleError as e:
             progress(f"rebuilding the demo bundle in {path} ({e})")
     else:

@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import logging
 import signal
-import socket
 import typing
 from pathlib import Path
 
 from .commands import CliError, ensure_demo_bundle, progress
 
-SEND_BUFFER_BYTES = 128 * 1024   # per connection (Linux doubles it): about 5 s of 24 kHz pcm
 FLUSH_SECONDS = 3     # after the drain: responses already generated finish sending, then the process exits
+EXIT_MARGIN_S = 1.0   # of those: what the end needs after the sending (connections cut, the lifespan's end, the exit)
 
 
 def load_settings(args):
@@ -56,6 +55,8 @@ def open_bundle(settings):
 def cmd_serve(args) -> None:
     import uvicorn
 
+    from app.protocol_bounds import ProtocolBounds, bounded_http_protocol, bounded_ws_protocol
+    from app.routes.elevenlabs_http import ROUTE_PREFIXES
     from app.server import configure_logging, create_app
 
     settings = load_settings(args)
@@ -71,58 +72,25 @@ def cmd_serve(args) -> None:
              "demo" if bundle.is_demo else "model", bundle.dir, bundle.device, bundle.device_reason)
     # uvicorn raises a handled signal again once it has stopped: a no-op, so a drained server exits with status 0
     signal.signal(signal.SIGTERM, lambda *_: None)
+    bounds = ProtocolBounds.of(settings, elevenlabs_prefixes=ROUTE_PREFIXES)
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
                             access_log=False, ws_max_size=settings.ws_max_message_bytes + 4096,
-                            http=_bounded_http_protocol(settings.header_timeout),
-                            timeout_graceful_shutdown=FLUSH_SECONDS)
+                            http=bounded_http_protocol(bounds), ws=bounded_ws_protocol(bounds),
+                            timeout_graceful_shutdown=None)        # the flush is bounded by draining_server
     draining_server(config, app.state.service).run()
+    _exit_now()
 
 
-def _bounded_http_protocol(header_seconds: float):
-    """uvicorn's HTTP protocol with two bounds per connection:
+def _exit_now() -> None:
+    """The server has stopped: exit without the interpreter's teardown (its garbage collection over the
+    loaded model's objects took 1.5-3 s on the demo bundle, outside every shutdown bound)."""
+    import os
+    import sys
 
-    - the time a connection may take to send a request's headers (uvicorn has none: a client sending half
-      its headers holds the connection forever). Armed when the connection opens and after each
-      response; a request whose headers completed (its cycle began) or an upgraded WebSocket disarms it;
-    - the kernel's send buffer (``SEND_BUFFER_BYTES``, not autotuned up to 4 MiB): what a client that
-      stops reading can make the server hold, and how much audio is out of the server's hands before a
-      stalled stream's ``send`` blocks (so ``--stall-timeout`` counts from about 5 s of pcm, not 80).
-    """
-    try:
-        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol as base
-    except ImportError:  # httptools is optional: uvicorn's pure-Python parser
-        from uvicorn.protocols.http.h11_impl import H11Protocol as base
-
-    class BoundedHttpProtocol(base):
-        def connection_made(self, transport) -> None:
-            super().connection_made(transport)
-            sock = transport.get_extra_info("socket")
-            if sock is not None:
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER_BYTES)
-            self._arm_header_timer()
-
-        def on_response_complete(self) -> None:
-            super().on_response_complete()
-            self._arm_header_timer()
-
-        def connection_lost(self, exc) -> None:
-            timer = getattr(self, "_header_timer", None)
-            if timer is not None:
-                timer.cancel()
-            super().connection_lost(exc)
-
-        def _arm_header_timer(self) -> None:
-            cycle = self.cycle
-            self._header_timer = self.loop.call_later(header_seconds, self._headers_too_slow, cycle)
-
-        def _headers_too_slow(self, cycle) -> None:
-            idle = self.cycle is cycle and (cycle is None or cycle.response_complete)
-            if idle and self.transport.get_protocol() is self and not self.transport.is_closing():
-                logging.getLogger("mossrt.app").debug("closing a connection: no request headers within %g s",
-                                                      header_seconds)
-                self.transport.close()
-
-    return BoundedHttpProtocol
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def draining_server(config, service):
@@ -130,22 +98,47 @@ def draining_server(config, service):
     turns 503 and new streams are refused at once, while the listener stays open (probes see the 503);
     running turns get ``--drain-timeout`` seconds to finish, and the listener stays at least
     ``--shutdown-delay`` seconds (the preStop window); then the engine stops (streams still running end
-    with an error), responses finish sending (``FLUSH_SECONDS``) and the process exits 0. A second signal
-    stops at once."""
+    with an error), responses finish sending and the process exits 0, all within ``FLUSH_SECONDS`` of the
+    drain's end: what is still open then is cut (one line says how many). A second signal stops at once."""
+    import asyncio
     import threading
+    import time
 
     import uvicorn
 
+    log = logging.getLogger("mossrt.app")
+    window = max(service.settings.drain_timeout, service.settings.shutdown_delay) + FLUSH_SECONDS - EXIT_MARGIN_S
+
     class _Server(uvicorn.Server):
         _drainer: threading.Thread | None = None
+        _flush_ends: float | None = None       # monotonic: the end of the shutdown window, less the exit's margin
 
         def handle_exit(self, sig, frame) -> None:
             if self._drainer is not None:
                 super().handle_exit(sig, frame)
                 return
             self._captured_signals.append(sig)
+            self._flush_ends = time.monotonic() + window
             self._drainer = threading.Thread(target=self._drain, name="mossrt-drain", daemon=True)
             self._drainer.start()
+
+        async def _wait_tasks_to_complete(self) -> None:
+            """uvicorn's wait for open connections and running tasks, to the end of the shutdown window rather
+            than its own timeout (whose end is an ERROR line and leaves connections open): then what is
+            still open is cut and what still runs is cancelled (a response cut off logs its one warning)."""
+            state = self.server_state
+            ends = self._flush_ends if self._flush_ends is not None else time.monotonic() + FLUSH_SECONDS
+            while (state.connections or state.tasks) and not self.force_exit and time.monotonic() < ends:
+                await asyncio.sleep(0.05)
+            if state.connections or state.tasks:
+                log.info("shutdown window over: %d connections cut, %d tasks cancelled", len(state.connections),
+                         len(state.tasks))
+                for connection in list(state.connections):
+                    connection.transport.abort()
+                for task in list(state.tasks):
+                    task.cancel()
+                if state.tasks:
+                    await asyncio.wait(list(state.tasks), timeout=EXIT_MARGIN_S / 2)
 
         def _drain(self) -> None:
             logging.getLogger("mossrt.app").info("shutting down: not ready; turns may finish within %g s; listener "
@@ -178,7 +171,7 @@ def add_serve_parser(sub) -> None:
         values = choices(info)
         if values:
             kw["choices"] = list(values)
-        elif typing.get_origin(kind) is list:
+        elif typing.get_origin(info.annotation) is list:     # list[str]: get_args gave its item type
             kw["action"] = "append"
         elif kind is int:
             lo, hi, _ = bounds(info)

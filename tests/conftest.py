@@ -48,11 +48,11 @@ def tts_tolerance(ref: np.ndarray) -> float:
 
 @pytest.fixture(scope="session")
 def demo_bundle_dir(tmp_path_factory) -> Path:
-    """The built-in demo bundle (tiny random weights that never end a turn early: a long text is a long
-    stream), for the service's bounds tests."""
+    """The built-in demo bundle without its end rule (tiny random weights that never end a turn early: a long
+    text is a long stream, to its frame limit), for the service's bounds tests."""
     from export.demo import build_demo_bundle
 
-    return build_demo_bundle(tmp_path_factory.mktemp("demo_bundle"))
+    return build_demo_bundle(tmp_path_factory.mktemp("demo_bundle"), end_frames_per_text_id=None)
 
 
 @pytest.fixture(scope="session")

@@ -127,11 +127,15 @@ class Process:
 class Server(Process):
     """``mossrt serve`` on a free loopback port."""
 
-    def __init__(self, bundle: Path | None, voices_dir: Path, log_path: Path, *flags: str, env: dict | None = None):
+    def __init__(self, bundle: Path | None, voices_dir: Path, log_path: Path, *flags: str, env: dict | None = None,
+                 wyoming: bool = False):
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         args = [sys.executable, "-m", "mossrt.cli", "serve", "--port", str(self.port), "--voices-dir", str(voices_dir),
                 "--device", TEST_DEVICE, *flags]
+        self.wyoming_port = free_port() if wyoming else None        # --wyoming-uri on a port of its own
+        if wyoming:
+            args += ["--wyoming-uri", f"tcp://127.0.0.1:{self.wyoming_port}"]
         if bundle is not None:
             args += ["--bundle", str(bundle)]
         super().__init__(args, log_path, env)

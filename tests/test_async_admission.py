@@ -17,7 +17,8 @@ def test_async_waiters_hold_no_thread_and_keep_the_order(model):
     from engine.errors import CapacityError
     from engine.scheduler import Scheduler
 
-    scheduler = Scheduler(model, slots=1, queue_timeout=0.3)
+    queue_timeout = 2
+    scheduler = Scheduler(model, slots=1, queue_timeout=queue_timeout)
     try:
         holder = scheduler.open_stream()
         holder.begin_turn(wait=0)
@@ -31,12 +32,19 @@ def test_async_waiters_hold_no_thread_and_keep_the_order(model):
                 await handles[name].abegin_turn(wait=timeout)
                 order.append(name)
 
-            # 50 waiters that time out: no thread each, and each refusal comes at its queue timeout
+            # 50 waiters that time out: no thread each, all in the queue at once (not one after another), and
+            # each refusal comes at its queue timeout (a lower bound: no wall-clock margin a slow machine breaks)
             t0 = time.monotonic()
-            refusals = await asyncio.gather(*[scheduler.open_stream().abegin_turn() for _ in range(50)],
-                                            return_exceptions=True)
+            async def all_queued() -> bool:           # on the loop: a probe thread would count as one
+                while scheduler.stats().queued != 50:
+                    await asyncio.sleep(0.01)
+                return True
+
+            saw, *refusals = await asyncio.gather(asyncio.wait_for(all_queued(), 30), *[
+                scheduler.open_stream().abegin_turn() for _ in range(50)], return_exceptions=True)
+            assert saw is True, saw
             assert all(isinstance(r, CapacityError) for r in refusals), refusals
-            assert 0.3 <= time.monotonic() - t0 < 3
+            assert time.monotonic() - t0 >= queue_timeout - 0.01
             assert threading.active_count() <= threads_before
             # a blocking caller queued between async ones keeps its place
             async def queued(n: int) -> None:            # arrivals in order: each waits until it is in the queue
@@ -82,7 +90,8 @@ def test_async_wait_ends_when_the_scheduler_stops(model):
 
     async def run():
         waiter = asyncio.create_task(scheduler.open_stream().abegin_turn())
-        await asyncio.sleep(0.2)
+        while scheduler.stats().queued != 1:           # in the queue (an event, not a sleep that load outlasts)
+            await asyncio.sleep(0.01)
         await asyncio.to_thread(scheduler.stop)
         with pytest.raises(CapacityError):
             await asyncio.wait_for(waiter, 10)

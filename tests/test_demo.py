@@ -42,3 +42,65 @@ def test_synth_on_demo_bundle_says_it_is_a_demo(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "demo bundle" in proc.stderr and "noise" in proc.stderr
     assert sf.info(tmp_path / "o.wav").frames == 3 * 1920
+
+
+def _demo_env(tmp_path):
+    return dict(os.environ, MOSSRT_DEMO_DIR=str(tmp_path / "demo"))
+
+
+def test_synth_without_bundle_uses_the_demo_bundle_and_its_turn_ends_near_its_text(tmp_path):
+    """As ``mossrt serve``: no --bundle is the demo bundle; its random model's turn ends by the manifest's end
+    rule (the log says so), at 3.5 frames per text token, not at the frame limit (60 + 10 per token)."""
+    import math
+
+    from export.demo import END_FRAMES_PER_TEXT_ID, TOKENIZER_JSON
+    from tokenizers import Tokenizer
+
+    text = "Three short words."
+    proc = subprocess.run([sys.executable, "-m", "mossrt.cli", "synth", "--text", text, "--out",
+                           str(tmp_path / "o.wav"), "--seed", "1", "--device", "cpu"],
+                          capture_output=True, text=True, env=_demo_env(tmp_path), timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "demo bundle" in proc.stderr and "end rule" in proc.stderr and "stopped at EOS" in proc.stderr
+    ids = len(Tokenizer.from_file(str(TOKENIZER_JSON)).encode(text, add_special_tokens=False).ids)
+    assert sf.info(tmp_path / "o.wav").frames == math.ceil(END_FRAMES_PER_TEXT_ID * ids) * 1920
+
+
+def test_the_end_rule_is_the_demo_manifests_and_nothing_else(tmp_path, model):
+    """The same demo bundle without the manifest's rule runs to its frame limit; a real bundle (no demo
+    section) has no rule."""
+    import shutil
+
+    from engine.bundle import Bundle
+    from engine.generate import generate
+    from engine.tts import TTSModel
+    from export.demo import build_demo_bundle
+
+    assert model.demo_end_frames_per_text_id is None and not model.bundle.is_demo
+    demo = build_demo_bundle(tmp_path / "demo")
+    ruled = generate(TTSModel(Bundle(demo, device="cpu")), text="Hi there.", seed=1)
+    assert ruled.stopped_on_eos
+    plain_dir = tmp_path / "plain"
+    shutil.copytree(demo, plain_dir)
+    manifest = json.loads((plain_dir / "manifest.json").read_text())
+    del manifest["demo"]["end_frames_per_text_id"]
+    (plain_dir / "manifest.json").write_text(json.dumps(manifest))
+    unruled = build_demo_bundle(tmp_path / "unruled", end_frames_per_text_id=None)   # the bounds tests' bundle
+    assert json.loads((unruled / "manifest.json").read_text())["demo"]["end_frames_per_text_id"] is None
+    plain = generate(TTSModel(Bundle(plain_dir, device="cpu")), text="Hi there.", seed=1, max_frames=40)
+    assert not plain.stopped_on_eos and plain.codes.shape[0] == 40
+    assert ruled.codes.shape[0] < 40
+    # up to its end the ruled turn is the model's own: the rule only replaces the last frame by EOS
+    assert (plain.raw_frames[:ruled.codes.shape[0]] == ruled.codes).all()
+
+
+def test_an_older_demo_bundle_is_rebuilt(tmp_path):
+    from export.demo import DEMO_VERSION, build_demo_bundle
+    from mossrt.commands import ensure_demo_bundle
+
+    path = build_demo_bundle(tmp_path / "demo")
+    manifest = json.loads((path / "manifest.json").read_text())
+    manifest["demo"] = {"seed": manifest["demo"]["seed"], "note": manifest["demo"]["note"]}    # version 1's
+    (path / "manifest.json").write_text(json.dumps(manifest))
+    ensure_demo_bundle(path)
+    assert json.loads((path / "manifest.json").read_text())["demo"]["version"] == DEMO_VERSION

@@ -381,3 +381,45 @@ def test_a_full_conversation_continues_on_a_fresh_context(full_bundle_dir, tmp_p
         lengths = asyncio.run(run())
         assert all(n > 0 for n in lengths), lengths
         assert "starts a fresh one" in s.log()
+
+
+BAD_SEEDS = ["%ff", "-1", "4294967296", "2**80", str(2**80), "1.5", "seven", ""]
+
+
+def test_http_routes_take_a_query_seed_and_refuse_what_the_websockets_refuse(full_bundle_dir, tmp_path):
+    """From the reproduction: ``?seed=7`` twice gave different audio and ``?seed=%ff`` / ``?seed=2**80`` a 200.
+    The query seed seeds sampling as the body's does (the body's wins when both are given), and a bad one is
+    refused as the WebSockets refuse it: ``invalid_request``, in ElevenLabs' shape (HTTP 422 as for a bad body
+    seed, WebSocket 1008)."""
+    import httpx
+    import websockets
+
+    with Server(full_bundle_dir, tmp_path / "v", tmp_path / "s.log") as s:      # sampling, not greedy
+        def speak(query: str = "", **body) -> httpx.Response:
+            return httpx.post(s.base + "/v1/text-to-speech/default/stream?output_format=pcm_24000" + query,
+                              json={"text": TEXT, **body}, timeout=120)
+
+        def differs(a: bytes, b: bytes) -> bool:         # beyond the codec's chunking round-off
+            return len(a) != len(b) or np.abs(pcm16(a) - pcm16(b)).max() > PCM_TOLERANCE
+
+        seven = speak("&seed=7")
+        assert seven.status_code == 200 and seven.content, seven.text
+        assert not differs(speak("&seed=7").content, seven.content)         # reproducible
+        assert differs(speak("&seed=8").content, seven.content)             # and the seed is what decides it
+        assert not differs(speak(seed=7).content, seven.content)            # the query's seed is the body's
+        assert not differs(speak("&seed=8", seed=7).content, seven.content)  # both: the body's wins
+
+        async def ws_refusal(bad: str):
+            async with websockets.connect(multi(s, f"output_format=pcm_24000&seed={bad}"), max_size=None) as w:
+                err = await recv_json(w)
+                await asyncio.wait_for(w.wait_closed(), 30)
+                return err["error"], w.close_code
+
+        for bad in BAD_SEEDS:
+            for path in ("/stream", "", "/with-timestamps", "/stream/with-timestamps"):
+                r = httpx.post(s.base + f"/v1/text-to-speech/default{path}?seed={bad}", json={"text": TEXT},
+                               timeout=60)
+                # the catalogue's invalid_request: 422, as for a bad body seed (ElevenLabs answers validation so)
+                assert r.status_code == 422 and r.json()["detail"]["status"] == "invalid_request", (bad, path, r.text)
+                assert "seed" in r.json()["detail"]["message"], r.text
+            assert asyncio.run(ws_refusal(bad)) == ("invalid_request", 1008), bad

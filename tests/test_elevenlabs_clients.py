@@ -36,6 +36,10 @@ def client_python(name: str) -> Path:
     python = venv / "bin" / "python"
     if not python.exists():
         subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300)
+        unpinned = CLIENTS / f"requirements-{name}-nodeps.txt"     # a client whose own pins are not installed
+        if unpinned.exists():
+            subprocess.run([str(python), "-m", "pip", "install", "-q", "--no-deps", "-r", str(unpinned)], check=True,
+                           timeout=1800)
         subprocess.run([str(python), "-m", "pip", "install", "-q", "-r", str(CLIENTS / f"requirements-{name}.txt")],
                        check=True, timeout=1800)
     return python

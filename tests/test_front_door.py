@@ -165,13 +165,12 @@ def test_header_and_body_read_times_are_bounded(full_bundle_dir, tmp_path):
             sock.settimeout(max(0.1, deadline - time.monotonic()))
             assert sock.recv(1024) == b"", "a connection with half its headers stayed open"
             sock.close()
-        started = time.monotonic()
         sock = raw_request(s, b'{"model": "x", "inp', headers={"Content-Length": "1000"})
         sock.settimeout(1 + SLOT_BOUND_S)
         answer = read_answer(sock)
         sock.close()
+        # the server's own word that its body timeout ended it (the recv timeout above keeps a hang from blocking)
         assert status_of(answer) == 408 and body_of(answer)["error"]["code"] == "request_timeout", answer
-        assert time.monotonic() - started < 1 + SLOT_BOUND_S
         assert httpx.get(s.base + "/v1/models").status_code == 200
 
 
@@ -219,44 +218,43 @@ def test_bodies_are_bounded_and_keys_checked_before_reading(full_bundle_dir, tmp
 
 
 def test_waiting_for_a_slot_holds_no_thread(full_bundle_dir, tmp_path):
-    """One slot, held; 60 requests wait for it: the other routes answer at once meanwhile (measured < 1 s;
-    a few ms when idle, where a waiting request held a pool thread each they took the whole queue timeout),
-    and every 429 arrives within queue-timeout + 1 s of its request."""
-    queue_timeout = 3
+    """One slot, held; 60 requests wait for it — more than the 40 threads of the server's pool, and all of them
+    in the queue at once (the gauge reads 60) — while a route that needs a pool thread (the voice list) answers
+    with every one of them still waiting (the gauge reads 60 after its answer); each then gets the 429
+    ``no_capacity`` once the queue timeout has passed since it arrived, and the server counts 60 429s. (Where a
+    waiting request held a pool thread, at most 40 could wait and the voice list waited for the 429s.) Events
+    and the server's own counters; no wall-clock upper margin that load could break."""
+    queue_timeout = 5
     with Server(full_bundle_dir, tmp_path / "v", tmp_path / "s.log", "--max-streams", "1", "--queue-timeout",
                 str(queue_timeout), "--api-key", KEY) as s:
         holder = holding_stream_with_key(s)
         auth = {"Authorization": f"Bearer {KEY}"}
 
         async def run():
-            async with httpx.AsyncClient(timeout=60, headers=auth,
+            async with httpx.AsyncClient(timeout=120, headers=auth,
                                          limits=httpx.Limits(max_connections=100)) as client:
                 async def timed_speech():
                     t0 = time.monotonic()
                     r = await client.post(s.base + "/v1/audio/speech",
                                           json={"model": "x", "input": "Hello.", "response_format": "pcm"})
-                    return r.status_code, time.monotonic() - t0
+                    return r.status_code, r.json()["error"]["code"], time.monotonic() - t0
 
-                async def probes():
-                    await asyncio.to_thread(wait_for, lambda: metric(s, "mossrt_queued_streams") == 60, 30,
+                async def probe():
+                    await asyncio.to_thread(wait_for, lambda: metric(s, "mossrt_queued_streams") == 60, 60,
                                             "every request queued")
-                    times = []
-                    for _ in range(5):
-                        t0 = time.monotonic()
-                        r = await client.get(s.base + "/v1/models")
-                        assert r.status_code == 200
-                        times.append(time.monotonic() - t0)
-                        await asyncio.sleep(0.2)
-                    return times
+                    r = await client.get(s.base + "/v1/audio/voices")       # run_in_threadpool: takes a pool thread
+                    return r.status_code, await asyncio.to_thread(metric, s, "mossrt_queued_streams")
 
-                return await asyncio.gather(probes(), *[timed_speech() for _ in range(60)])
+                return await asyncio.gather(probe(), *[timed_speech() for _ in range(60)])
 
-        probe_times, *speeches = asyncio.run(asyncio.wait_for(run(), 120))
-        print(f"/v1/models while 60 wait: {[round(t * 1000) for t in probe_times]} ms; 429 after "
-              f"{min(t for _, t in speeches):.2f}..{max(t for _, t in speeches):.2f} s")
-        assert max(probe_times) < 1.0, probe_times
-        assert all(code == 429 for code, _ in speeches), speeches
-        assert max(t for _, t in speeches) < queue_timeout + 1, speeches
+        (probe_status, still_queued), *speeches = asyncio.run(asyncio.wait_for(run(), 300))
+        print(f"429 after {min(t for *_, t in speeches):.2f}..{max(t for *_, t in speeches):.2f} s")
+        assert probe_status == 200 and still_queued == 60, (probe_status, still_queued)
+        assert all(code == [429, "no_capacity"] for *code, _ in speeches), speeches
+        # the queue timeout counts from arrival, after the client's clock started (a lower bound holds under load)
+        assert min(t for *_, t in speeches) >= queue_timeout - 0.01, speeches
+        assert requests_counted(s)[("/v1/audio/speech", "429")] == 60, requests_counted(s)
+        assert metric(s, "mossrt_queued_streams") == 0
         reset(holder)
         wait_for(lambda: metric(s, "mossrt_active_streams") == 0, SLOT_BOUND_S, "the holder's slot freed")
 

@@ -9,6 +9,7 @@ import json
 import pytest
 
 from loadtest import run as loadtest_run
+from loadtest.calls import turn_text
 from loadtest.cli import _public_config, build_parser, config_from_args, redact
 from loadtest.clients import RequestOptions, fail_record
 from loadtest.runner import RunConfig, Runner
@@ -54,7 +55,8 @@ def test_split_deltas_and_playback():
     ("--requests", "0"), ("--warmup", "-1"), ("--pause", "-1"), ("--settle-timeout", "inf"),
     ("--wait-ready", "-1"), ("--max-frames", "0"), ("--llm-tokens-per-s", "-1"),
     ("--llm-tokens-per-s", "nan"), ("--playback-prebuffer-ms", "-5"), ("--trace-streams", "-1"),
-    ("--server-pid", "0"), ("--requests", "2.5"),
+    ("--server-pid", "0"), ("--requests", "2.5"), ("--calls", "0"), ("--calls", "1.5"), ("--call-s", "0"),
+    ("--talk-s", "-1"), ("--gap-s", "-1"), ("--keepalive-s", "nan"), ("--turns", "0"),
 ])
 def test_cli_refuses_bad_numbers(option, value, capsys):
     """Every numeric option is checked when parsed (exit 2 with a message, no traceback, no endless loop)."""
@@ -69,6 +71,19 @@ def test_cli_numbers_accepted():
                                       "--pause", "0", "--llm-tokens-per-s", "0", "--trace-streams", "0"])
     assert args.concurrency == [1.0, 4.0, 16.0] and args.delta_max_chars == 1 and args.warmup == 0
     assert build_parser().parse_args(["--rate", "0.5,2"]).rate == [0.5, 2.0]
+
+
+def test_calls_run_over_the_websockets():
+    """--calls is voice-agent mode, over our WebSocket unless --transport says otherwise, never over HTTP."""
+    cfg = config_from_args(build_parser().parse_args(["--calls", "2,4", "--gap-s", "3", "--turns", "5"]))
+    assert (cfg.mode, cfg.transports, cfg.levels) == ("voice-agent", ["ws"], [2.0, 4.0])
+    assert (cfg.plan.gap_s, cfg.plan.turns, cfg.plan.talk_frames) == (3.0, 5, 25)          # 2 s of 80 ms frames
+    with pytest.raises(SystemExit, match="--calls runs over the WebSockets"):
+        config_from_args(build_parser().parse_args(["--calls", "2", "--transport", "http,ws"]))
+    for talk_s in (0.1, 2, 20):              # about 14 characters a second of speech, whole words
+        text = turn_text(BUILTIN_TEXTS, 3, talk_s)
+        assert 14 * talk_s <= len(text) + 1 < 14 * talk_s + 20 and text == text.strip(), (talk_s, text)
+        assert all(w in " ".join(BUILTIN_TEXTS).split() for w in text.split())
 
 
 def test_split_deltas_refuses_max_chars_below_one():
@@ -196,3 +211,33 @@ def test_elevenlabs_transport(servers):
     assert s["transport"] == "elevenlabs" and s["ok"] == 2 and s["errors"] == 0, s
     assert s["ttfa_ms"]["p50"] > 0 and s["audio_s"] > 0 and s["connect_ms"]["n"] == 2
     assert all(r["status"] == "ok" and r["deltas"] >= 1 and r["chunks"] >= 1 for r in report["streams"])
+
+
+def test_voice_agent_calls(servers):
+    """--calls: two calls per transport, over our WebSocket and the ElevenLabs socket, each two turns of
+    LLM-paced text with a listening gap of keep-alives between them: every call served, every turn spoken
+    and complete, first and resumed turns' TTFA apart, the keep-alives sent, and the server's parks read
+    from /metrics."""
+    roomy, _ = servers
+    report = loadtest_run(["--url", roomy.base, "--calls", "2", "--turns", "2", "--call-s", "600", "--talk-s", "1",
+                           "--gap-s", "1.5", "--keepalive-s", "0.5", "--transport", "ws,elevenlabs", *COMMON])
+    assert not report["aborted"] and not report["deadline_hit"]
+    assert [s["transport"] for s in report["levels"]] == ["ws", "elevenlabs"]
+    assert report["config"]["mode"] == "voice-agent" and report["config"]["plan"]["turns"] == 2
+    for s in report["levels"]:
+        v = s["voice_agent"]
+        assert (v["calls"], v["served"], v["rejected"], v["failed"]) == (2, 2, 0, 0), v
+        assert v["turns"] == v["turns_ok"] == v["turns_complete"] == 4 and v["turns_429"] == 0, v
+        assert v["ttfa_first_ms"]["n"] == v["ttfa_resumed_ms"]["n"] == 2, v
+        assert 0 < v["ttfa_first_ms"]["p50"] <= v["ttfa_first_ms"]["p95"], v
+        assert 0 < v["ttfa_resumed_ms"]["p50"] <= v["ttfa_resumed_ms"]["p95"], v
+        assert v["keepalives"] >= 2 * 3 and 0 < v["talk_share"] < 1, v        # 1.5 s gaps, one each 0.5 s
+        # 4 slots for 2 calls: no waiter, nothing parked (None only from a server without the series)
+        parking = "mossrt_parks_total" in report["server"]["metrics_after"]["samples"]
+        assert (v["parks"], v["resumes"]) == ((0, 0) if parking else (None, None)), v
+        calls = v["call_records"]
+        assert sorted(c["index"] for c in calls) == [0, 1] and all(c["turns_ok"] == 2 for c in calls), calls
+    turns = [r for r in report["streams"] if r["call"] is not None]
+    assert len(turns) == 8 and all(r["status"] == "ok" and r["audio_s"] > 0 for r in turns), turns
+    assert sorted((r["transport"], r["call"], r["turn"]) for r in turns) == sorted(
+        (t, c, i) for t in ("ws", "elevenlabs") for c in (0, 1) for i in (0, 1))

@@ -203,7 +203,9 @@ def test_dst_is_a_new_file_in_an_output_folder_and_refusals_look_alike(loaded, b
     (tmp_path / "dangling.wav").symlink_to(tmp_path / "nowhere.wav")
     backend.voices_dir.mkdir(parents=True, exist_ok=True)
     refused = [tmp_path / "no" / "such" / "dir" / "x.wav", existing, tmp_path / "dangling.wav", tmp_path,
-               backend.voices_dir / "new.wav", full_bundle_dir / "new.wav", "/nonexistent/x.wav", "/etc/x.wav"]
+               backend.voices_dir / "new.wav", full_bundle_dir / "new.wav", "/nonexistent/x.wav"]
+    if not os.access("/etc", os.W_OK):      # a folder this user cannot write (root can: there /etc/x.wav is
+        refused.append("/etc/x.wav")        # a new file in a writable folder, written, and refused on the next run)
     messages = set()
     for dst in refused:
         err = rpc_error(backend.stub.TTS, pb.TTSRequest(text="Hello.", dst=str(dst)))
@@ -228,6 +230,52 @@ def test_dst_is_a_new_file_in_an_output_folder_and_refusals_look_alike(loaded, b
         assert ok.success and sf.info(out / "a.wav").samplerate == 24000
     finally:
         backend.stub.Free(pb.HealthMessage(), timeout=RPC_TIMEOUT)        # the next tests load without it
+
+
+def refusal_shape(details: str) -> str:
+    """A refused dst's message with the path taken out (it is repeated, shortened when long)."""
+    return re.sub(r"^dst '.*': ", "dst DST: ", details, flags=re.S)
+
+
+def test_a_dst_the_file_system_cannot_take_is_the_one_refusal(loaded, backend, tmp_path):
+    """From the reproduction: a NUL byte in dst was INTERNAL 'ValueError: embedded null byte' and a 4,096-character
+    file name INTERNAL 'File name too long', each with a traceback in the log. Both (and ``~``, taken literally,
+    as in ``voice``) are the one documented INVALID_ARGUMENT, before any audio is generated; nothing logged."""
+    before = backend.log()
+    good = rpc_error(backend.stub.TTS, pb.TTSRequest(text="Hello.", dst=str(tmp_path / "no" / "x.wav")))
+    for dst in (str(tmp_path / "a\0b.wav"), str(tmp_path / ("n" * 4096 + ".wav")), str(tmp_path / ("n" * 300)),
+                "~/x.wav", f"~{os.environ.get('USER', 'root')}/x.wav", str(tmp_path) + "/"):
+        err = rpc_error(backend.stub.TTS, pb.TTSRequest(text="Hello.", dst=dst))
+        assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, (dst[:80], err.code(), err.details()[:300])
+        assert refusal_shape(err.details()) == refusal_shape(good.details()), err.details()[:300]
+        assert len(err.details()) < 400, len(err.details())
+    new = backend.log()[len(before):]
+    assert "Traceback" not in new and "unexpected error" not in new and "TTS:" not in new, new[-3000:]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [], list(tmp_path.iterdir())
+
+
+def test_a_folder_swapped_for_a_link_while_generating_gets_no_wav(loaded, backend, tmp_path):
+    """From the reproduction: the dst folder swapped for a symbolic link to the voices folder while the audio
+    was generated put the WAV in the voices folder. The folder is opened once, when it is checked, and the WAV
+    created relative to it: it lands in the folder that was checked (moved aside here), never through the link."""
+    backend.voices_dir.mkdir(parents=True, exist_ok=True)
+    out, moved = tmp_path / "out", tmp_path / "out-checked"
+    out.mkdir()
+    before = set(backend.voices_dir.iterdir())
+    call = backend.stub.TTS.future(pb.TTSRequest(text=LONG_TEXT, dst=str(out / "swapped.wav"),
+                                                 params={"greedy": "true"}), timeout=RPC_TIMEOUT)
+    deadline = time.monotonic() + RPC_TIMEOUT
+    while backend.stub.Status(pb.HealthMessage(), timeout=10).state != pb.StatusResponse.BUSY:
+        assert time.monotonic() < deadline and not call.done(), "the TTS never generated"
+        time.sleep(0.01)
+    out.rename(moved)
+    out.symlink_to(backend.voices_dir, target_is_directory=True)
+    assert backend.stub.Status(pb.HealthMessage(), timeout=10).state == pb.StatusResponse.BUSY, \
+        "the swap came after the generation (not the case tested)"
+    r = call.result()
+    assert r.success, r.message
+    assert set(backend.voices_dir.iterdir()) == before, "the WAV went through the link"
+    assert sf.info(moved / "swapped.wav").samplerate == 24000
 
 
 def test_tts_without_dst_and_other_model_identity(loaded, backend):

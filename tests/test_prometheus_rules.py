@@ -83,13 +83,18 @@ def prometheus() -> str:
 def test_dashboard_rules_and_autoscaling_queries_against_a_live_prometheus(prometheus, full_bundle_dir, tmp_path):
     """scripts/monitoring-check: a real Prometheus scraping a real server under a mixed load with an
     over-capacity burst and a stalled client; every panel query, recording rule and chart query has data,
-    every rule evaluates, exactly the shedding alert is pending, and the panels render."""
+    every rule evaluates, the shedding alert is pending and no other alert but those of the machine's speed that
+    the same run measured past their objective (a slower CPU rightly raises MossrtLateChunks), and the panels
+    render."""
     proc = subprocess.run([sys.executable, str(REPO / "scripts" / "monitoring-check"), "--bundle",
                            str(full_bundle_dir), "--device", TEST_DEVICE, "--out", str(tmp_path)],
                           capture_output=True, text=True, timeout=1200)
     report = json.loads((tmp_path / "report.json").read_text())
     assert proc.returncode == 0, proc.stderr[-4000:]
-    assert report["failures"] == [] and report["alerts"] == {"MossrtShedding": "pending"}
+    assert report["failures"] == [], report["failures"]
+    slow = {alert for alert, m in report["measured"].items() if m["expected"]}
+    assert report["alerts"]["MossrtShedding"] == "pending" and set(report["alerts"]) == {"MossrtShedding"} | slow, \
+        (report["alerts"], report["measured"])
     assert len(report["queries"]) >= 20 and all(q["series"] for q in report["queries"])
     assert {r["type"] for r in report["rules"]} == {"recording", "alerting"}
     assert report["sse_status"] == 200 and report["stalled_streams"] >= 1

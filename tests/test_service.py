@@ -10,7 +10,6 @@ import json
 import random
 import subprocess
 import sys
-import time
 
 import av
 import httpx
@@ -20,7 +19,7 @@ import soundfile as sf
 
 from conftest import TEST_DEVICE, golden
 from service_helpers import (LONG_TEXT, PCM_TOLERANCE, TEXT, Server, assert_same_audio, pcm16, synth_reference,
-                             to_pcm16)
+                             metric, to_pcm16, wait_for)
 
 
 @pytest.fixture(scope="module")
@@ -299,7 +298,9 @@ def test_models_health_ready_metrics(server):
               sample("mossrt_frames_generated_total"), sample("mossrt_audio_seconds_total"),
               sample("mossrt_time_to_first_audio_seconds_count", transport="http"))
     assert speech(server).status_code == 200
-    time.sleep(0.2)
+    # the request is counted as its response ends, and the time to first audio once it is sent: wait for them
+    wait_for(lambda: sample("mossrt_requests_total", endpoint="/v1/audio/speech", status="200") > before[0] and
+             sample("mossrt_time_to_first_audio_seconds_count", transport="http") > before[3], 30, "the speech counted")
     after = (sample("mossrt_requests_total", endpoint="/v1/audio/speech", status="200"),
              sample("mossrt_frames_generated_total"), sample("mossrt_audio_seconds_total"),
              sample("mossrt_time_to_first_audio_seconds_count", transport="http"))
@@ -534,8 +535,9 @@ def test_websocket_turn_without_capacity_is_refused_cleanly(full_bundle_dir, tmp
                     codes.append(json.loads(await _text(other))["error"]["code"])
                 await o.send(type="input.done")
                 refused = json.loads(await _text(other))
-                await holder.close()                          # frees the slot
-                await asyncio.sleep(0.5)
+                await holder.close()                          # frees the slot: wait for it, not for a time
+                await asyncio.to_thread(wait_for, lambda: metric(s, "mossrt_active_streams") == 0, 30,
+                                        "the holder's slot freed")
                 await o.send(type="input.text", text="Now it works.")
                 await o.send(type="input.done")
                 done = await o.until("response.done")

@@ -149,6 +149,12 @@ def test_against_espeak_speech_with_known_word_times(espeak, tmp_path):
     assert figures["en", 175, "whole"]["p90_abs_ms"] < 600 and figures["en", 175, "whole"]["worst_end_ms"] < 400
     read = figures["en", 175, "read clock"]
     assert read["median_signed_ms"] < -2000 and read["overclaimed_words"] > 10
+    for voice, wpm in (("en", 175), ("cmn", 350)):     # /dev/captioned_speech's words: the same clock's starts
+        for mode in ("streamed", "whole"):
+            words, chars = figures[voice, wpm, "captions " + mode], figures[voice, wpm, mode]
+            assert words["words"] == chars["words"], (voice, mode)
+            for key in ("median_abs_ms", "p90_abs_ms", "median_signed_ms", "worst_end_ms"):
+                assert abs(words[key] - chars[key]) <= 1.0, (voice, mode, key)   # rounded to the ms
 
 
 def test_eval_refuses_a_bad_rate(espeak):

@@ -1,8 +1,9 @@
 """Every bound of a client session, over every transport (``transports.TRANSPORTS``): a client that stops
 reading loses its stream, a turn that gets no more text gives its slot back, a reset frees the slot at once
 and generation stops, a browser origin that is not allowed cannot open a socket, the key is checked before any
-other work, what one client sends is bounded, malformed JSON gets the route's own error, and SIGTERM drains
-every transport with one log line at most for a forced end. A transport added later joins the list and gets
+other work, what one client sends is bounded (request heads, ping floods and oversized frames, below the
+application, included), malformed JSON gets the route's own error, and SIGTERM drains every transport with one
+log line at most for a forced end, within its documented bound. A transport added later joins the list and gets
 every bound here. Each test runs a real ``mossrt serve`` (or ``mossrt localai``) on the demo bundle, whose
 random weights never end a turn early, so a long text is a long stream; every wait is bounded."""
 
@@ -19,9 +20,11 @@ import grpc
 import httpx
 import pytest
 
-from service_helpers import (Backend, Server, body_of, metric, raw_request, read_answer, requests_counted, reset,
-                             status_of, wait_for)
-from transports import (BY_NAME, HTTP_TRANSPORTS, KEY, LONG, WS_TRANSPORTS, small_buffer_socket, ws_messages)
+from service_helpers import (Backend, Server, assert_same_audio, body_of, metric, pcm16, raw_request, read_answer,
+                             requests_counted, reset, status_of, wait_for)
+from transports import (BY_NAME, HTTP_TRANSPORTS, KEY, LONG, WS_TRANSPORTS, raw_upgrade, server_frames,
+                        small_buffer_socket, ws_messages)
+from transports import WYOMING, wyoming_connect, wyoming_error, wyoming_events, wyoming_opening, wyoming_send
 
 SLOT_BOUND_S = 10        # a freed slot shows in /metrics within this (generous: the machine is shared)
 STALL_S, TEXT_S, IDLE_S = 2, 2, 6
@@ -43,7 +46,7 @@ def server(demo_bundle_dir, tmp_path_factory):
            "MOSSRT_WS_MAX_BUFFERED_CHARS": "2000"}
     with Server(demo_bundle_dir, tmp / "v", tmp / "s.log", "--max-streams", "3", "--queue-timeout", "0",
                 "--stall-timeout", str(STALL_S), "--ws-text-timeout", str(TEXT_S), "--api-key", KEY,
-                "--cors-origin", "https://app.example", env=env) as s:
+                "--cors-origin", "https://app.example", env=env, wyoming=True) as s:
         yield s
 
 
@@ -115,7 +118,7 @@ def frames_stopped(server, settle: float = 1.0) -> bool:
 
 
 # ---------------------------------------------------------------------------------------------- stalls
-@pytest.mark.parametrize("name", STREAMED_HTTP + WS_NAMES + ["localai"])
+@pytest.mark.parametrize("name", STREAMED_HTTP + WS_NAMES + ["localai", WYOMING])
 def test_a_client_that_stops_reading_loses_its_stream(request, name):
     """A client with a 4 KiB receive buffer that reads nothing: once the socket buffers are full the server's
     send blocks; after the stall timeout the stream ends, its slot is free and the stall is counted. LocalAI:
@@ -123,6 +126,9 @@ def test_a_client_that_stops_reading_loses_its_stream(request, name):
     waits) has its call cancelled after the stall timeout, and the backend is idle again."""
     if name == "localai":
         _localai_caller_that_stops_reading(request.getfixturevalue("localai"))
+        return
+    if name == WYOMING:
+        _wyoming_reader_that_stops(request.getfixturevalue("server"))
         return
     server = request.getfixturevalue("server")
     t = BY_NAME[name]
@@ -169,16 +175,18 @@ def _localai_caller_that_stops_reading(b) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- the text clock
-@pytest.mark.parametrize("name", WS_NAMES + ["ws-empty-deltas"])
+@pytest.mark.parametrize("name", WS_NAMES + ["ws-empty-deltas", WYOMING])
 def test_a_turn_that_gets_no_more_text_gives_its_slot_back(server, name):
     """A turn opened with a little text and never ended (no input.done, no flush), by a client that keeps
     reading: after the text timeout its text is ended for it, it speaks what it has, and once the socket
     idles (ElevenLabs: its inactivity_timeout) it closes; the slot is free. Empty deltas every half second
     (ws-empty-deltas) are no text: they do not hold the turn open."""
+    if name == WYOMING:
+        _wyoming_turn_without_more_text(server)
+        return
     t = BY_NAME["ws" if name == "ws-empty-deltas" else name]
 
     async def silent_turn():
-        started = time.monotonic()
         async with ws_connect(server, t, query="" if t.ours else "inactivity_timeout=2") as w:
             for m in t.opening("Hello there, this turn never ends.", end=False):
                 await w.send(m)
@@ -194,21 +202,22 @@ def test_a_turn_that_gets_no_more_text_gives_its_slot_back(server, name):
             messages = await ws_messages(w, done, timeout=TEXT_S + IDLE_S + 30)
             if ticker is not None:
                 ticker.cancel()
-            return messages, time.monotonic() - started
+            return messages
 
-    messages, took = asyncio.run(asyncio.wait_for(silent_turn(), 90))
+    messages = asyncio.run(asyncio.wait_for(silent_turn(), 90))
     if t.ours:
         codes = [t.error_code(m) for m in messages if isinstance(m, dict)]
         assert "text_timeout" in codes, messages[-3:]
         assert messages[-1]["type"] == "response.done", messages[-1]
     else:
         assert any(isinstance(m, dict) and m.get("audio") for m in messages), "the turn spoke what it had"
-        assert took < TEXT_S + 2 + 20, took                  # closed by its inactivity, not held
+        # closed by its inactivity (the server says so), not held until some other timer
+        assert t.error_code(messages[-1]) == "input_timeout_exceeded", messages[-3:]
     wait_for(lambda: metric(server, "mossrt_active_streams") == 0, SLOT_BOUND_S, "the slot freed")
 
 
 # ---------------------------------------------------------------------------------------------- resets
-@pytest.mark.parametrize("name", [t.name for t in HTTP_TRANSPORTS] + WS_NAMES + ["localai", "localai-tts"])
+@pytest.mark.parametrize("name", [t.name for t in HTTP_TRANSPORTS] + WS_NAMES + ["localai", "localai-tts", WYOMING])
 def test_a_client_that_resets_frees_the_slot_and_stops_generation(request, name):
     """A client that resets (RST) one second into a long utterance: its slot is free within SLOT_BOUND_S and
     no more frames are generated for it — a whole-body reply (/with-timestamps) as much as a streamed one.
@@ -218,6 +227,9 @@ def test_a_client_that_resets_frees_the_slot_and_stops_generation(request, name)
                                                request.getfixturevalue("tmp_path"))
         return
     server = request.getfixturevalue("server")
+    if name == WYOMING:
+        _wyoming_reset_after_a_second(server)
+        return
     t = BY_NAME[name]
     # still generating long after the reset (within the input limit, and the WebSockets' 2,000-character buffer)
     text = " ".join([LONG] * 5)[:3900 if name in [h.name for h in HTTP_TRANSPORTS] else 1900]
@@ -304,6 +316,40 @@ def test_a_browser_origin_not_allowed_cannot_open_a_socket(server, name):
     assert asyncio.run(first("https://app.example")) in ("session.created", "accepted")
 
 
+@pytest.mark.parametrize("name", WS_NAMES)
+def test_odd_forms_of_an_origin_compare_as_browsers_serialise_them(server, name):
+    """Origins compare in RFC 6454's serialisation (scheme and host lower-case, the default port elided):
+    other forms of an allowed origin open the socket; ``null``, a trailing dot, another port or scheme,
+    userinfo, a path, a lookalike host and a non-http(s) page of this host get 403; two ``Origin`` headers are
+    refused too (the policy refuses them; uvicorn's WebSocket layer already answers them 400)."""
+    import websockets
+
+    t, port = BY_NAME[name], server.port
+    allowed = ["HTTPS://APP.EXAMPLE", "https://App.Example:443", f"http://127.0.0.1:{port}", f"HTTP://127.0.0.1:{port}"]
+    refused = ["null", "https://app.example.", "https://app.example:8443", "http://app.example",
+               "https://user@app.example", "https://app.example/", "https://app.example.evil.example",
+               f"ftp://127.0.0.1:{port}", f"http://127.0.0.1:{port + 1}", f"http://x@127.0.0.1:{port}",
+               ("https://app.example", "https://evil.example")]
+    key = [("Authorization", AUTH["Authorization"])] if t.ours else [("xi-api-key", KEY)]
+
+    async def handshake(origin) -> int:
+        origins = [origin] if isinstance(origin, str) else list(origin)
+        try:
+            async with websockets.connect(t.url(server.base), additional_headers=key + [("Origin", o) for o in origins],
+                                          open_timeout=30):
+                return 101
+        except websockets.InvalidStatus as e:
+            return e.response.status_code
+
+    async def every():
+        return {o: await handshake(o) for o in allowed + refused}
+
+    got = asyncio.run(every())
+    two = ("https://app.example", "https://evil.example")
+    assert got.pop(two) in (400, 403), "two Origin headers: refused (uvicorn's websockets layer answers 400)"
+    assert got == {**{o: 101 for o in allowed}, **{o: 403 for o in refused if o != two}}, got
+
+
 # ---------------------------------------------------------------------------------------------- keys
 @pytest.mark.parametrize("name", [t.name for t in HTTP_TRANSPORTS] + WS_NAMES)
 def test_the_key_is_checked_before_any_other_work(server, name):
@@ -334,9 +380,10 @@ def test_the_key_is_checked_before_any_other_work(server, name):
         got, code, _ = asyncio.run(keyless([]))
         assert code == 4001 and json.loads(got[0])["error"]["code"] == "invalid_api_key", got
         return
-    # nothing sent: the socket is closed by the auth timeout (10 s), not kept for its inactivity_timeout
-    got, code, took = asyncio.run(keyless([]))
-    assert code == 1008 and took < 15, (code, took)
+    # nothing sent: the socket is closed by the auth timeout (10 s; the 40 s recv would fail first if it were
+    # kept for its inactivity_timeout), and the server says that is why
+    got, code, _ = asyncio.run(keyless([]))
+    assert code == 1008, (code, got)
     assert [json.loads(g)["error"] for g in got] == ["auth_timeout"], got
     # a message without the key is the end, not a recoverable error; the voice and format are never looked at
     got, code, _ = asyncio.run(keyless([json.dumps({"text": " ", "bogus": 1})]))
@@ -367,7 +414,7 @@ def test_localai_takes_its_token_before_any_other_work(demo_bundle_dir, tmp_path
 
 
 # ---------------------------------------------------------------------------------------------- sizes
-@pytest.mark.parametrize("name", [t.name for t in HTTP_TRANSPORTS] + WS_NAMES + ["localai"])
+@pytest.mark.parametrize("name", [t.name for t in HTTP_TRANSPORTS] + WS_NAMES + ["localai", WYOMING])
 def test_what_one_client_sends_is_bounded(server, name, demo_bundle_dir, tmp_path):
     """HTTP: a body over --max-body-bytes is a 413 before it is parsed. WebSocket: a message over the message
     limit, text beyond the socket's text buffer and (ElevenLabs multi-context) a sixth open context are
@@ -381,6 +428,9 @@ def test_what_one_client_sends_is_bounded(server, name, demo_bundle_dir, tmp_pat
             with pytest.raises(grpc.RpcError) as e:
                 list(b.stub.TTSStream(pb.TTSRequest(text="x" * 200), timeout=30))
             assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "100" in e.value.details()
+        return
+    if name == WYOMING:
+        _wyoming_what_one_client_sends_is_bounded(server)
         return
     t = BY_NAME[name]
     if name in [h.name for h in HTTP_TRANSPORTS]:
@@ -418,11 +468,160 @@ def test_what_one_client_sends_is_bounded(server, name, demo_bundle_dir, tmp_pat
         assert codes[2] == "too_many_contexts", codes
 
 
-# ---------------------------------------------------------------------------------------------- malformed JSON
+# ---------------------------------------------------------------------------------------------- heads
+HEAD_BYTES = 8 << 20          # each hostile head: 8 MiB on the wire (the bound is 64 KiB)
+HEAD_RSS_MIB = 32             # the server's growth over all of one transport's hostile heads (unbounded: > 100)
+
+
+def server_rss_mib(server) -> float:
+    with open(f"/proc/{server.proc.pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 1024
+
+
+def _hostile_head(server, first_line: bytes, pieces) -> tuple[bytes, bool]:
+    """Send a head piece by piece on a raw socket while another thread reads: the answer, and whether the
+    server then closed the connection (EOF or reset) on its own."""
+    sock = socket.create_connection(("127.0.0.1", server.port))
+    sock.settimeout(30)
+    got: dict = {}
+
+    def reader():
+        data = b""
+        try:
+            while piece := sock.recv(65536):
+                data += piece
+            got["closed"] = True
+        except ConnectionResetError:
+            got["closed"] = True
+        except OSError:
+            got["closed"] = False
+        got["answer"] = data
+
+    reading = threading.Thread(target=reader, daemon=True)
+    reading.start()
+    try:
+        sock.sendall(first_line)
+        for piece in pieces:
+            sock.sendall(piece)
+    except OSError:
+        pass                                        # the server cut the connection: the reader has its answer
+    reading.join(40)
+    sock.close()
+    return got.get("answer", b""), got.get("closed", False)
+
+
 @pytest.mark.parametrize("name", [t.name for t in HTTP_TRANSPORTS] + WS_NAMES)
+def test_a_request_head_is_bounded(server, name):
+    """1,000,000 header fields, one 8 MiB header value, an 8 MiB URL — no key sent: each is answered 431
+    ``header_fields_too_large`` or 414 ``uri_too_long`` in the route's error shape (the key is never looked
+    at), the server closes the connection on its own, and its memory does not grow with the head (the
+    unbounded parser took +122 MiB for the 1,000,000 fields and held them; a WebSocket upgrade got no
+    answer at all)."""
+    t = BY_NAME[name]
+    ws = name in WS_NAMES
+    method = b"GET" if ws else b"POST"
+    head = (b"Host: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\nSec-WebSocket-Version: 13\r\n"
+            b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n") if ws else \
+        b"Host: x\r\nContent-Type: application/json\r\nContent-Length: 2\r\n"
+    line = method + b" " + t.path.encode() + b" HTTP/1.1\r\n" + head
+    fields = (b"".join(b"X-%07d: v\r\n" % (i * 1000 + j) for j in range(1000)) for i in range(1000))
+    mib = 1 << 20
+    attacks = {"1,000,000 header fields": (line, fields, 431, "header_fields_too_large"),
+               "an 8 MiB header value": (line + b"X-Big: ", (b"v" * mib for _ in range(HEAD_BYTES // mib)), 431,
+                                         "header_fields_too_large"),
+               "an 8 MiB URL": (method + b" " + t.path.encode() + (b"&" if b"?" in t.path.encode() else b"?")
+                                + b"pad=", (b"a" * mib for _ in range(HEAD_BYTES // mib)), 414, "uri_too_long")}
+    before = server_rss_mib(server)
+    for what, (first, pieces, status, code) in attacks.items():
+        answer, closed = _hostile_head(server, first, pieces)
+        assert status_of(answer) == status, (what, answer[:300])
+        body = body_of(answer)
+        got = body["detail"]["status"] if t.path.startswith("/v1/text-to-speech/") else body["error"]["code"]
+        assert got == code, (what, body)
+        assert closed, f"{what}: the connection was not closed after the refusal"
+    grown = server_rss_mib(server) - before
+    assert grown < HEAD_RSS_MIB, f"the server grew by {grown:.0f} MiB over the hostile heads"
+    assert httpx.get(server.base + "/health", timeout=10).status_code == 200
+
+
+# ---------------------------------------------------------------------------------------------- pings
+PINGS = 400_000                  # 125-byte pings (50 MB) from a client that reads nothing
+PING_RSS_MIB = 24                # the server's growth (unbounded: +46 MiB for 400,000, linear)
+
+
+@pytest.mark.parametrize("name", WS_NAMES)
+def test_a_ping_flood_from_a_client_that_never_reads_is_bounded(server, name):
+    """A client with a 4 KiB receive buffer sends 400,000 pings and reads nothing: the pongs it does not take
+    stop at the send buffer (the server's memory does not grow with the flood), and the socket is cut (a
+    reset) once its unsent bytes stayed over the bound for the stall timeout and the close's grace, as a
+    client that stops reading is on every other path (unbounded, the pongs piled up in the server and
+    the socket stayed open). Other clients are served meanwhile."""
+    from websockets.frames import Frame, Opcode
+
+    t = BY_NAME[name]
+    sock, answer = raw_upgrade(server.port, t)
+    assert answer.startswith(b"HTTP/1.1 101"), answer[:300]
+    sock.settimeout(5)
+    batch = Frame(Opcode.PING, b"p" * 125).serialize(mask=True) * 1000
+    before = server_rss_mib(server)
+    cut = None
+    try:
+        for _ in range(PINGS // 1000):
+            sock.sendall(batch)
+    except (ConnectionResetError, BrokenPipeError) as e:
+        cut = e
+    except TimeoutError:
+        pass                                     # the server stopped reading: not a cut yet
+    grown = server_rss_mib(server) - before
+    assert httpx.get(server.base + "/health", timeout=10).status_code == 200
+    deadline = time.monotonic() + STALL_S + 5 + 30
+    while cut is None and time.monotonic() < deadline:
+        try:
+            sock.sendall(batch[:1000])
+            time.sleep(0.2)
+        except (ConnectionResetError, BrokenPipeError) as e:
+            cut = e
+        except TimeoutError:
+            pass
+    sock.close()
+    assert grown < PING_RSS_MIB, f"the server grew by {grown:.0f} MiB over the ping flood"
+    assert cut is not None, "the socket of a client that reads nothing was not cut"
+
+
+# ---------------------------------------------------------------------------------------------- frames
+@pytest.mark.parametrize("name", WS_NAMES)
+def test_an_oversized_frame_right_after_the_handshake_ends_the_session_quietly(server, name):
+    """A frame header declaring 2^40 bytes as the first thing after the handshake (30 times: the close races
+    the session's first message): the protocol layer closes 1009, and the session ends without an error in
+    the log (it logged 'ws session failed' with a RuntimeError about a send after the close)."""
+    t = BY_NAME[name]
+    offset = len(server.log())
+    for _ in range(30):
+        sock, answer = raw_upgrade(server.port, t, rcvbuf=1 << 16)
+        assert answer.startswith(b"HTTP/1.1 101"), answer[:300]
+        sock.sendall(bytes([0x81, 0xFF]) + (1 << 40).to_bytes(8, "big") + b"mask" + b"x" * 64)
+        data = answer.split(b"\r\n\r\n", 1)[1]
+        try:
+            while piece := sock.recv(65536):
+                data += piece
+        except ConnectionResetError:
+            pass
+        sock.close()
+        closes = [payload for opcode, payload in server_frames(data) if opcode == 0x8]
+        assert closes and int.from_bytes(closes[0][:2], "big") == 1009, server_frames(data)
+    wait_for(lambda: metric(server, "mossrt_websocket_sessions") == 0, 30, "every session ended")
+    log = server.log()[offset:]
+    assert "session failed" not in log and "Unexpected ASGI message" not in log, log[-3000:]
+
+
+# ---------------------------------------------------------------------------------------------- malformed JSON
+@pytest.mark.parametrize("name", [t.name for t in HTTP_TRANSPORTS] + WS_NAMES + [WYOMING])
 def test_malformed_json_gets_the_routes_own_error(server, name):
     """A 5,000-digit integer, 100,000-deep arrays, 50,000-deep objects (and, over HTTP, invalid UTF-8): 400
     ``invalid_json`` in the route's shape, never a 500; on a WebSocket a recoverable error, the socket goes on."""
+    if name == WYOMING:
+        _wyoming_malformed_json(server)
+        return
     t = BY_NAME[name]
     if name in [h.name for h in HTTP_TRANSPORTS]:
         for what, raw in {**BAD_JSON, "invalid UTF-8": b'{"text": "\xff\xfe"}'}.items():
@@ -447,16 +646,50 @@ def test_malformed_json_gets_the_routes_own_error(server, name):
     assert spoken, "the socket went on"
 
 
+@pytest.mark.parametrize("name", WS_NAMES)
+def test_refused_messages_move_no_clock(server, name):
+    """``"not json"`` every IDLE_S / 3 s: each is refused (a recoverable ``invalid_json``), and none moves the
+    idle clock, so the idle timeout closes the socket all the same (ours 4008, ElevenLabs 1008, code
+    ``idle_timeout``) instead of the client holding it for as long as it keeps sending."""
+    import websockets
+
+    t = BY_NAME[name]
+
+    async def refused_every_few_seconds():
+        async with ws_connect(server, t) as w:
+            async def tick():
+                while True:
+                    await w.send("not json")
+                    await asyncio.sleep(IDLE_S / 3)
+            ticker = asyncio.create_task(tick())
+            try:
+                idle = (lambda m: isinstance(m, dict) and t.error_code(m) not in (None, "invalid_json"))
+                messages = await ws_messages(w, idle, timeout=4 * IDLE_S + 30)
+                with pytest.raises(websockets.ConnectionClosed) as closed:
+                    while True:
+                        await asyncio.wait_for(w.recv(), 30)
+            finally:
+                ticker.cancel()
+            return messages, closed.value.rcvd.code
+
+    messages, code = asyncio.run(asyncio.wait_for(refused_every_few_seconds(), 6 * IDLE_S + 60))
+    codes = [c for c in (t.error_code(m) for m in messages if isinstance(m, dict)) if c is not None]
+    assert codes[-1] == "idle_timeout" and code == (4008 if t.ours else 1008), (codes, code)
+    assert codes[:-1].count("invalid_json") >= 2 and set(codes[:-1]) == {"invalid_json"}, codes   # refused
+
+
 # ---------------------------------------------------------------------------------------------- SIGTERM
 def test_sigterm_drains_every_transport(demo_bundle_dir, tmp_path):
     """SIGTERM while an utterance streams on each transport: every one finishes, a new request is refused
-    (503 ``draining``), the process exits 0 within the drain timeout and the flush, with no traceback."""
-    s = Server(demo_bundle_dir, tmp_path / "v", tmp_path / "s.log", "--max-streams", "8", "--drain-timeout", "60",
-               "--shutdown-delay", "1")
+    (503 ``draining``), the drain ends because every turn finished (the server's own log line, not the drain
+    timeout firing) and the process exits 0, with no traceback. No wall-clock bound: a slower machine takes
+    longer, but what is promised is that nothing is cut off."""
+    s = Server(demo_bundle_dir, tmp_path / "v", tmp_path / "s.log", "--max-streams", "12", "--drain-timeout", "60",
+               "--shutdown-delay", "1", wyoming=True)
     text = "Hello there, this is the last thing I say before the server goes away."
     with s:
         ended: dict = {}
-        first = threading.Barrier(len(HTTP_TRANSPORTS) + len(WS_TRANSPORTS) + 1, timeout=60)
+        first = threading.Barrier(len(HTTP_TRANSPORTS) + len(WS_TRANSPORTS) + 2, timeout=60)
 
         def http(t):
             with httpx.stream("POST", s.base + t.path, json=t.body(text), timeout=120) as r:
@@ -480,28 +713,32 @@ def test_sigterm_drains_every_transport(demo_bundle_dir, tmp_path):
 
         threads = [threading.Thread(target=http, args=(t,)) for t in HTTP_TRANSPORTS]
         threads += [threading.Thread(target=ws, args=(t,)) for t in WS_TRANSPORTS]
+        threads.append(threading.Thread(target=lambda: ended.update(wyoming=_wyoming_streaming_across(s, text, first))))
         for th in threads:
             th.start()
         first.wait()
-        signalled = time.monotonic()
         s.proc.send_signal(signal.SIGTERM)
         refused = httpx.post(s.base + "/v1/audio/speech", json={"model": "x", "input": "Hi."}, timeout=10)
+        refused_wyoming = _wyoming_codes(s, wyoming_opening("Hi."))
         for th in threads:
             th.join(120)
-        status = s.proc.wait(timeout=60 + 10)
-        took = time.monotonic() - signalled
+        status = s.proc.wait(timeout=120)
+    assert all(not th.is_alive() for th in threads), ended
     assert refused.status_code == 503 and refused.json()["error"]["code"] == "draining"
     for t in HTTP_TRANSPORTS:
         assert ended[t.name][0] == 200 and ended[t.name][1] > 0, (t.name, ended[t.name])
     assert ended["ws"]["type"] == "response.done" and ended["ws"]["finish_reason"] in ("eos", "max_frames")
     assert ended["el-stream-input"]["isFinal"] and ended["el-multi-stream-input"]["isFinal"]
-    assert status == 0 and took < 60, (status, took)
+    assert ended["wyoming"][-2:] == ["audio-stop", "synthesize-stopped"], ended["wyoming"]
+    assert refused_wyoming == ["draining"], refused_wyoming
+    assert status == 0, s.log()[-3000:]
+    assert "drained (all turns finished)" in s.log(), s.log()[-3000:]
     assert "Traceback" not in s.log(), s.log()[-3000:]
 
 
 def test_sigterm_drains_localai(demo_bundle_dir, tmp_path):
     """SIGTERM while a TTSStream streams: the call finishes with all its audio, a new call is refused
-    (UNAVAILABLE), the process exits 0 within the grace, with no traceback."""
+    (UNAVAILABLE), the process exits 0, with no traceback."""
     from app.localai import backend_pb2 as pb
 
     text = "Hello there, this is the last thing I say before the server goes away."
@@ -512,17 +749,17 @@ def test_sigterm_drains_localai(demo_bundle_dir, tmp_path):
                                                            timeout=120))
         replies = iter(b.stub.TTSStream(pb.TTSRequest(text=text, params={"seed": "1"}), timeout=120))
         first = [next(replies), next(replies)]
-        signalled = time.monotonic()
         b.proc.send_signal(signal.SIGTERM)
         b.wait_log("stopping: running calls get", 30)
         with pytest.raises(grpc.RpcError) as refused:
             list(b.stub.TTSStream(pb.TTSRequest(text="Hi."), timeout=10))
         drained = b"".join(r.audio for r in first + list(replies))
-        status = b.proc.wait(timeout=70)
-        took = time.monotonic() - signalled
+        status = b.proc.wait(timeout=120)
     assert refused.value.code() == grpc.StatusCode.UNAVAILABLE, refused.value
-    assert drained == whole, (len(drained), len(whole))
-    assert status == 0 and took < 60, (status, took)
+    # all of it (the grace did not cut the call off), to the codec's chunking round-off: not bitwise, since the
+    # chunking follows the caller's playback clock, which load moves
+    assert_same_audio(pcm16(drained), pcm16(whole))
+    assert status == 0, b.log()[-3000:]
     assert "Traceback" not in b.log(), b.log()[-3000:]
 
 
@@ -558,6 +795,183 @@ def test_a_forced_end_of_the_drain_is_one_log_line(demo_bundle_dir, tmp_path):
     assert status == 0, log[-2000:]
     assert "Traceback" not in log and "Exception in ASGI application" not in log, log[-3000:]
 
+
+def test_the_shutdown_ends_within_its_bound(demo_bundle_dir, tmp_path):
+    """SIGTERM with ``--drain-timeout 2`` while a client that reads nothing holds a stream, a header
+    slow-loris and a body that never completes hold connections, our WebSocket is mid-turn and ElevenLabs
+    contexts are open: the process exits 0 within the documented max(shutdown delay, drain timeout) + 3 s
+    (it took 11.4 s against 8 s with a drain timeout of 5: uvicorn's 3 s wait for the request still
+    reading its body, after the drain, then the interpreter's teardown), and the end logs no uvicorn error
+    (its 'Cancel N running task(s)')."""
+    drain = 2
+    s = Server(demo_bundle_dir, tmp_path / "v", tmp_path / "s.log", "--drain-timeout", str(drain),
+               "--stall-timeout", "600")
+    with s:
+        body = {"model": "x", "input": LONG, "response_format": "pcm", "max_frames": 3750}
+        stalled = raw_request(s, json.dumps(body).encode(), rcvbuf=4096)
+        loris = socket.create_connection(("127.0.0.1", s.port))
+        loris.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")
+        half = socket.create_connection(("127.0.0.1", s.port))
+        half.sendall(b"POST /v1/audio/speech HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 1000\r\n\r\n{\"model\": ")
+        opened = threading.Barrier(len(WS_TRANSPORTS) + 1, timeout=60)
+
+        def ws(t):
+            async def run():
+                async with ws_connect(s, t, headers={}) as w:
+                    for m in t.opening(LONG, end=False):
+                        await w.send(m)
+                    await ws_messages(w, lambda m: isinstance(m, bytes) or (isinstance(m, dict) and m.get("audio")))
+                    await asyncio.to_thread(opened.wait)
+                    await ws_messages(w, lambda m: False, timeout=60)
+            try:
+                asyncio.run(run())
+            except Exception:  # noqa: BLE001 - the socket ends with the server
+                pass
+
+        threads = [threading.Thread(target=ws, args=(t,), daemon=True) for t in WS_TRANSPORTS]
+        for th in threads:
+            th.start()
+        opened.wait()
+        wait_for(lambda: metric(s, "mossrt_active_streams") == 1 + len(WS_TRANSPORTS), 30, "every stream open")
+        signalled = time.monotonic()
+        s.proc.send_signal(signal.SIGTERM)
+        status = s.proc.wait(timeout=60)
+        took = time.monotonic() - signalled
+        for sock in (stalled, loris, half):
+            sock.close()
+    log = s.log()
+    assert status == 0, log[-2000:]
+    assert took <= drain + 3, (took, log[-3000:])
+    assert "ERROR:" not in log and "Traceback" not in log, log[-3000:]
+
+
+# ---------------------------------------------------------------------------------------------- Wyoming
+# A Wyoming connection (Home Assistant's TCP protocol) has no key, origin or WebSocket framing; every other
+# bound applies. Each refusal is an error event, then the end of the connection (as Wyoming's servers do).
+def _wyoming(coro, timeout: float = 120):
+    return asyncio.run(asyncio.wait_for(coro, timeout))
+
+
+def _wyoming_codes(server, events, raw: bytes | None = None) -> list:
+    """The error codes a fresh connection gets for ``events`` (or ``raw`` bytes), to the connection's end."""
+    async def run():
+        reader, writer = await wyoming_connect(server)
+        if raw is not None:
+            writer.write(raw)
+        try:
+            await wyoming_send(writer, events)
+        except ConnectionError:             # refused at an earlier event: the server closed the connection
+            pass
+        got = await wyoming_events(reader, lambda e: e.type == "audio-stop")
+        writer.close()
+        return [wyoming_error(e) for e in got if wyoming_error(e)]
+
+    return _wyoming(run())
+
+
+def _wyoming_reader_that_stops(server) -> None:
+    """A long synthesis asked for on a socket with a 4 KiB receive buffer that is never read."""
+    from wyoming.tts import Synthesize
+
+    before = metric(server, "mossrt_stalled_streams_total", transport=WYOMING)
+
+    async def run():
+        reader, writer = await wyoming_connect(server, small_buffer_socket(server.wyoming_port))
+        await wyoming_send(writer, [Synthesize(text=LONG).event()])
+        await asyncio.to_thread(wait_for, lambda: metric(server, "mossrt_stalled_streams_total",
+                                                         transport=WYOMING) > before,
+                                60 + STALL_S, "the stalled connection counted")
+        await asyncio.to_thread(wait_for, lambda: metric(server, "mossrt_active_streams") == 0, SLOT_BOUND_S,
+                                "its slot freed")
+        writer.close()
+
+    _wyoming(run())
+
+
+def _wyoming_turn_without_more_text(server) -> None:
+    """synthesize-start and one chunk, never a stop, read throughout: after the text timeout the text is
+    ended for it and it speaks what it has (audio-stop; no synthesize-stopped, the client never stopped);
+    then the idle connection is closed with ``idle_timeout``; the slot is free."""
+    async def run():
+        reader, writer = await wyoming_connect(server)
+        await wyoming_send(writer, wyoming_opening("Hello there, this turn never ends.", end=False))
+        events = await wyoming_events(reader, lambda e: False, timeout=TEXT_S + IDLE_S + 60)
+        writer.close()
+        return events
+
+    events = _wyoming(run())
+    types = [e.type for e in events]
+    assert types[0] == "audio-start" and "audio-stop" in types and "synthesize-stopped" not in types, types[-3:]
+    assert wyoming_error(events[-1]) == "idle_timeout", events[-1]
+    wait_for(lambda: metric(server, "mossrt_active_streams") == 0, SLOT_BOUND_S, "the slot freed")
+
+
+def _wyoming_reset_after_a_second(server) -> None:
+    from wyoming.tts import Synthesize
+
+    text = " ".join([LONG] * 5)[:3900]
+    sock = socket.create_connection(("127.0.0.1", server.wyoming_port))
+
+    async def run():
+        reader, writer = await wyoming_connect(server, sock)
+        await wyoming_send(writer, [Synthesize(text=text).event()])
+        listening = asyncio.create_task(wyoming_events(reader, lambda e: False, timeout=120))
+        await asyncio.to_thread(wait_for, lambda: metric(server, "mossrt_active_streams") == 1, 30,
+                                "the stream took its slot")
+        await asyncio.sleep(1)
+        assert await asyncio.to_thread(lambda: not frames_stopped(server, settle=0.5)), "not generating before"
+        reset(sock)
+        listening.cancel()
+
+    try:
+        _wyoming(run(), 60)
+    except AssertionError:
+        raise
+    except Exception:  # noqa: BLE001 - the client's transport finds its own socket gone
+        pass
+    wait_for(lambda: metric(server, "mossrt_active_streams") == 0, SLOT_BOUND_S, "the reset stream's slot freed")
+    assert frames_stopped(server), "frames still generated after the reset"
+
+
+def _wyoming_what_one_client_sends_is_bounded(server) -> None:
+    """An event over the message limit, text beyond the text buffer, a whole text over the input limit, an
+    event announcing more data than the limit (refused before its bytes are read)."""
+    from wyoming.tts import Synthesize
+
+    assert _wyoming_codes(server, wyoming_opening("x" * 66_000, end=False)) == ["message_too_large"]
+    assert _wyoming_codes(server, wyoming_opening("word " * 500, end=False)) == ["text_buffer_full"]
+    assert _wyoming_codes(server, [Synthesize(text="word " * 1000).event()]) == ["input_too_long"]
+    assert _wyoming_codes(server, [], raw=b'{"type": "synthesize", "data_length": 100000000}\n') == \
+        ["message_too_large"]
+
+
+def _wyoming_malformed_json(server) -> None:
+    """Each malformed header line, and a data section with a 5,000-digit integer: ``invalid_json``; then a
+    new connection is served."""
+    from wyoming.tts import Synthesize
+
+    for what, raw in BAD_JSON_WS.items():
+        assert _wyoming_codes(server, [], raw=raw + b"\n") == ["invalid_json"], what
+    data = b'{"text": "hi", "seed": ' + b"9" * 5000 + b"}"
+    assert _wyoming_codes(server, [], raw=b'{"type": "synthesize", "data_length": %d}\n' % len(data) + data) == \
+        ["invalid_json"]
+    assert _wyoming_codes(server, [Synthesize(text="Hello.").event()]) == [], "the server goes on"
+
+
+def _wyoming_streaming_across(server, text: str, first: threading.Barrier) -> list:
+    """A streaming synthesis (Home Assistant's events) speaking when ``first`` is passed: the types of the
+    events after it, to synthesize-stopped."""
+    async def run():
+        reader, writer = await wyoming_connect(server)
+        await wyoming_send(writer, wyoming_opening(text))
+        await wyoming_events(reader, lambda e: e.type == "audio-chunk")
+        await asyncio.to_thread(first.wait)
+        rest = await wyoming_events(reader, lambda e: e.type == "synthesize-stopped", timeout=120)
+        writer.close()
+        return [e.type for e in rest]
+
+    return _wyoming(run(), 180)
 
 def test_the_counts_say_how_each_request_ended(server):
     """(A guard on the suite itself: the requests above were counted under their route templates.)"""

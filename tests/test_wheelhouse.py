@@ -252,6 +252,70 @@ def test_a_part_over_the_limit_is_refused(tmp_path):
         pack.join(parts_dir, tmp_path / "joined")
 
 
+def join_cli(parts_dir: Path, out: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(SCRIPT), "join", "--parts", str(parts_dir), "--out", str(out)],
+                          capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("where, name", [("archive", "../../victim.txt"), ("archive", "ABSOLUTE"),
+                                         ("part", "../victim.txt"), ("part", "ABSOLUTE"), ("part", "sub/x.001"),
+                                         ("archive", ".."), ("part", "x\0y")])
+def test_a_manifest_name_that_is_a_path_is_refused_before_anything_is_written(tmp_path, where, name):
+    """From the reproduction: ``"archive": {"name": "../../victim.txt"}`` overwrote and then deleted a file
+    outside --out, and an absolute name with a wrong sha256 deleted it first; part names with ``../`` or an
+    absolute path were read from wherever they pointed. Every name must be a plain file name in its folder;
+    the manifest is refused, by name, with nothing written or removed."""
+    parts_dir, manifest, _ = make_parts(tmp_path / "w" / "x")
+    victim = tmp_path / "w" / "victim.txt"
+    victim.write_bytes(b"keep me")
+    name = str(victim) if name == "ABSOLUTE" else name
+    if where == "archive":
+        manifest["archive"]["name"] = name
+        manifest["archive"]["sha256"] = "0" * 64          # the wrong-sha256 path deleted the file first
+    else:
+        manifest["parts"][1]["name"] = name
+    (parts_dir / pack.MANIFEST).write_text(json.dumps(manifest))
+    out = tmp_path / "w" / "x" / "out"
+    proc = join_cli(parts_dir, out)
+    assert proc.returncode != 0 and "is not a plain file name" in proc.stderr and repr(name) in proc.stderr, \
+        proc.stderr
+    assert victim.read_bytes() == b"keep me" and not out.exists()
+    with pytest.raises(pack.PartsError, match="not a plain file name"):
+        pack.read_manifest(parts_dir)
+
+
+def test_a_part_that_is_a_symbolic_link_is_refused(tmp_path):
+    """A part replaced by a symbolic link (to the real bytes, even) is refused by name: parts are regular
+    files in the parts folder, read without following a link."""
+    parts_dir, manifest, payload = make_parts(tmp_path)
+    part = parts_dir / manifest["parts"][1]["name"]
+    real = tmp_path / "elsewhere.bin"
+    part.rename(real)
+    part.symlink_to(real)
+    with pytest.raises(pack.PartsError, match=rf"part {part.name} is a symbolic link"):
+        pack.join(parts_dir, tmp_path / "joined")
+    assert not (tmp_path / "joined").exists()
+    proc = join_cli(parts_dir, tmp_path / "joined")
+    assert proc.returncode != 0 and f"part {part.name} is a symbolic link" in proc.stderr, proc.stderr
+
+
+def test_join_writes_and_removes_only_its_own_file_in_out(tmp_path):
+    """A file in --out named like the archive (a link to a file outside, here) is neither followed, written
+    nor removed: the joined archive is a new file of join's own, and the only one it deletes."""
+    parts_dir, manifest, payload = make_parts(tmp_path)
+    out = tmp_path / "joined"
+    out.mkdir()
+    victim = tmp_path / "victim.txt"
+    victim.write_bytes(b"keep me")
+    (out / manifest["archive"]["name"]).symlink_to(victim)
+    manifest["archive"]["sha256"] = "0" * 64
+    (parts_dir / pack.MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(pack.PartsError, match="different builds"):
+        pack.join(parts_dir, out)
+    assert victim.read_bytes() == b"keep me"
+    assert sorted(p.name for p in out.iterdir()) == [manifest["archive"]["name"]]      # the link, untouched
+
+
 def git_repo(path: Path, ignored: str = "/.wheelhouse/", tracked_bytes: int = 1 << 20) -> Path:
     path.mkdir(parents=True, exist_ok=True)
     subprocess.run(["git", "init", "-q", str(path)], check=True)
@@ -388,3 +452,77 @@ def test_driver_load_hands_every_container_to_the_driver():
     else:
         result = json.loads(proc.stdout)
         assert result["containers"] == 4 and proc.returncode == (1 if result["refused_count"] else 0)
+
+
+# ---------------------------------------------------------------------------------------------- pip
+# pip 23.2.1 (python3.11 -m venv's bundled pip) resolving a wheel that needs Python 3.12 with --python-version
+# 3.12: the ERROR line is its real output; the location warnings around it are the block a distro Python's
+# pip 23.x prints for each scheme key (pip/_internal/locations), which filled the 15 lines shown before
+LOCATION_WARNING = """WARNING: Value for scheme.headers does not match. Please report this to <https://github.com/pypa/pip/issues/10151>
+distutils: /usr/include/python3.11/UNKNOWN
+sysconfig: /usr/include/python3.11
+WARNING: Additional context:
+user = False
+home = None
+root = None
+prefix = None
+"""
+PIP_23_2_FAILURE = LOCATION_WARNING * 3 + """ERROR: Ignored the following versions that require a different python version: 1.3.3 Requires-Python >=3.12
+ERROR: Cannot install mossrt[cuda]==0.1.0 because these package versions have conflicting dependencies.
+
+The conflict is caused by:
+    matplotlib 3.10.8 depends on contourpy>=1.0.1
+    The user requested mossrt[cuda]==0.1.0
+
+To fix this you could try to:
+1. loosen the range of package versions you've specified
+2. remove package versions to allow pip to attempt to solve the dependency conflict
+
+ERROR: ResolutionImpossible: for help visit https://pip.pypa.io/en/latest/topics/dependency-resolution/#dealing-with-dependency-conflicts
+ERROR: Package 'newpy' requires a different Python: 3.11.7 not in '>=3.12'
+""" + LOCATION_WARNING * 3
+
+
+def test_a_failed_pip_shows_why_not_its_location_warnings():
+    """From the reproduction: the 15 lines shown of a failed resolution were pip's location warnings and the
+    cause was cut off. The lines that say why are shown, the warnings are not."""
+    shown = resolve.pip_failure_lines(PIP_23_2_FAILURE)
+    text = "\n".join(shown)
+    assert "requires a different Python: 3.11.7 not in '>=3.12'" in text
+    assert "Requires-Python >=3.12" in text and "ResolutionImpossible" in text
+    assert "matplotlib 3.10.8 depends on contourpy>=1.0.1" in text
+    assert not any(line.startswith(("WARNING:", "distutils:", "sysconfig:", "user =")) for line in shown), shown
+    assert len(shown) <= 30
+
+
+def test_the_build_needs_a_pip_that_resolves_for_the_target_python():
+    """pip before 23.3 checks Requires-Python against the Python it runs in, not --python-version: the build
+    refuses it at the start, naming the pip it needs and how to get it."""
+    assert resolve.parse_pip_version("pip 23.2.1 from /v/lib/python3.11/site-packages/pip (python 3.11)") == (23, 2, 1)
+    assert resolve.parse_pip_version("pip 26.3 from /x (python 3.12)") == (26, 3)
+    assert resolve.parse_pip_version("no pip here") is None
+    with pytest.raises(resolve.ResolveError, match=r"pip 23\.2\.1 of /v/bin/python is too old: .*pip 23\.3 or later"):
+        resolve.require_pip("/v/bin/python", (23, 2, 1))
+    with pytest.raises(resolve.ResolveError, match="has no pip"):
+        resolve.require_pip("/v/bin/python", None)
+    resolve.require_pip("/v/bin/python", (23, 3))
+    resolve.require_pip("/v/bin/python", (26, 3))
+    assert resolve.parse_pip_version(subprocess.run([sys.executable, "-m", "pip", "--version"], capture_output=True,
+                                                    text=True).stdout) >= resolve.MIN_PIP    # the test venv's own
+
+
+def test_a_venv_with_an_old_pip_is_refused_before_resolving(tmp_path):
+    """``python3 -m venv`` of a Python that bundles a pip older than 23.3 (3.11's bundles 23.2.1): ``build`` with
+    it as the resolver stops at once with the message, resolving nothing (offline: ensurepip's own wheel)."""
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, capture_output=True, timeout=300)
+    python = str(venv / "bin" / "python")
+    version = resolve.pip_version(python)
+    if version is None or version >= resolve.MIN_PIP:
+        pytest.skip(f"this Python bundles pip {version}: not an old one")
+    major_minor = f"{sys.version_info[0]}.{sys.version_info[1]}"
+    proc = subprocess.run([sys.executable, str(SCRIPT), "build", "--python-version", major_minor,
+                           "--resolver-python", python, "--out", str(tmp_path / "out")],
+                          capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert proc.returncode != 0 and "is too old: the build needs pip 23.3 or later" in proc.stderr, proc.stderr
+    assert "pip install --upgrade 'pip>=23.3'" in proc.stderr and not (tmp_path / "out" / "downloads").exists()

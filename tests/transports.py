@@ -89,7 +89,8 @@ WS_TRANSPORTS = [
     Ws("el-multi-stream-input", "/v1/text-to-speech/default/multi-stream-input" + EL_FORMAT, "elevenlabs",
        "/v1/text-to-speech/{voice_id}/multi-stream-input", multi=True),
 ]
-TRANSPORTS = [t.name for t in HTTP_TRANSPORTS + WS_TRANSPORTS] + ["localai"]
+WYOMING = "wyoming"           # the Wyoming listener (Home Assistant): a TCP connection of wyoming events
+TRANSPORTS = [t.name for t in HTTP_TRANSPORTS + WS_TRANSPORTS] + ["localai", WYOMING]
 BY_NAME = {t.name: t for t in HTTP_TRANSPORTS + WS_TRANSPORTS}
 
 
@@ -98,6 +99,42 @@ def small_buffer_socket(port: int, rcvbuf: int = 4096) -> socket.socket:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
     sock.connect(("127.0.0.1", port))
     return sock
+
+
+def raw_upgrade(port: int, t: Ws, key: str | None = KEY, rcvbuf: int = 4096) -> tuple[socket.socket, bytes]:
+    """A WebSocket handshake of ``t`` on a raw socket (the hostile client's: it writes frames itself, and reads
+    only when it likes): the socket and the 101 response."""
+    import base64
+    import os
+
+    sock = small_buffer_socket(port, rcvbuf)
+    sock.settimeout(30)
+    auth = (f"Authorization: Bearer {key}\r\n" if t.ours else f"xi-api-key: {key}\r\n") if key else ""
+    sock.sendall(f"GET {t.path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+                 f"Sec-WebSocket-Key: {base64.b64encode(os.urandom(16)).decode()}\r\nSec-WebSocket-Version: 13\r\n"
+                 f"{auth}\r\n".encode())
+    answer = b""
+    while b"\r\n\r\n" not in answer:
+        piece = sock.recv(4096)
+        if not piece:
+            break
+        answer += piece
+    return sock, answer
+
+
+def server_frames(data: bytes) -> list[tuple[int, bytes]]:
+    """The (opcode, payload) of each whole unmasked frame in ``data`` (what a server sends)."""
+    frames, i = [], 0
+    while i + 2 <= len(data):
+        length, at = data[i + 1] & 0x7F, i + 2
+        if length >= 126:
+            size = 2 if length == 126 else 8
+            length, at = int.from_bytes(data[at:at + size], "big"), at + size
+        if at + length > len(data):
+            break
+        frames.append((data[i] & 0x0F, data[at:at + length]))
+        i = at + length
+    return frames
 
 
 async def ws_messages(w, until, timeout: float = 60) -> list:
@@ -115,3 +152,52 @@ async def ws_messages(w, until, timeout: float = 60) -> list:
         out.append(msg)
         if until(msg):
             return out
+
+
+# ---------------------------------------------------------------------------------------------- Wyoming
+async def wyoming_connect(server, sock: socket.socket | None = None):
+    """(reader, writer) of a connection to the server's Wyoming listener (on ``sock`` when given)."""
+    if sock is not None:
+        return await asyncio.open_connection(sock=sock)
+    return await asyncio.open_connection("127.0.0.1", server.wyoming_port)
+
+
+def wyoming_opening(text: str, end: bool = True, voice: str | None = None) -> list:
+    """The events of a streaming synthesis of ``text`` as Home Assistant sends them (with ``end``: the whole
+    text again for backward compatibility, then the stop)."""
+    from wyoming.tts import Synthesize, SynthesizeChunk, SynthesizeStart, SynthesizeStop, SynthesizeVoice
+
+    v = SynthesizeVoice(name=voice) if voice else None
+    events = [SynthesizeStart(voice=v).event(), SynthesizeChunk(text=text).event()]
+    return events + ([Synthesize(text=text, voice=v).event(), SynthesizeStop().event()] if end else [])
+
+
+async def wyoming_send(writer, events) -> None:
+    from wyoming.event import async_write_event
+
+    for event in events:
+        await async_write_event(event, writer)
+
+
+async def wyoming_events(reader, until, timeout: float = 60) -> list:
+    """Events from ``reader`` until ``until(event)`` is true or the connection closes."""
+    from wyoming.event import async_read_event
+
+    out = []
+    deadline = asyncio.get_running_loop().time() + timeout
+    while True:
+        try:
+            event = await asyncio.wait_for(async_read_event(reader),
+                                           max(0.1, deadline - asyncio.get_running_loop().time()))
+        except ConnectionError:
+            return out
+        if event is None:
+            return out
+        out.append(event)
+        if until(event):
+            return out
+
+
+def wyoming_error(event) -> str | None:
+    """The code of an ``error`` event (None for any other)."""
+    return event.data.get("code") if event.type == "error" else None

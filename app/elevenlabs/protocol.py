@@ -1,13 +1,39 @@
-"""ElevenLabs WebSocket messages: the client's (validated) and the query parameters of a connection."""
+"""ElevenLabs WebSocket messages: the client's (validated) and the query parameters of a connection; the
+seed, which the HTTP routes take from their query (or body) with the same bounds."""
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 
 MAX_INACTIVITY_TIMEOUT = 3600   # ElevenLabs documents 180; livekit sends 300 by default
 DEFAULT_INACTIVITY_TIMEOUT = 20
+Seed = Annotated[StrictInt, Field(ge=0, lt=2**32)]     # ElevenLabs: 0..4294967295, in a query or a body
+
+
+def _query_ints(query, keys: tuple[str, ...]) -> dict[str, Any]:
+    """The query as a dict, the integer parameters among ``keys`` as ints where they are (else left as text,
+    for the model's validation to name)."""
+    data: dict[str, Any] = dict(query)
+    for key in keys:
+        if key in data:
+            try:
+                data[key] = int(data[key])
+            except ValueError:
+                pass
+    return data
+
+
+class QuerySeed(BaseModel):
+    """The HTTP routes' query ``seed``, validated as the WebSockets' (:class:`ConnectionParams`)."""
+
+    model_config = ConfigDict(extra="ignore")
+    seed: Seed | None = None
+
+    @classmethod
+    def from_query(cls, query) -> "QuerySeed":
+        return cls.model_validate(_query_ints(query, ("seed",)))
 
 
 class ClientMessage(BaseModel):
@@ -40,7 +66,7 @@ class ConnectionParams(BaseModel):
     sync_alignment: bool = False
     auto_mode: bool = False
     language_code: str | None = None
-    seed: StrictInt | None = Field(None, ge=0, lt=2**32)
+    seed: Seed | None = None
     enable_logging: bool = True
     enable_ssml_parsing: bool = False
     apply_text_normalization: str | None = None
@@ -48,11 +74,4 @@ class ConnectionParams(BaseModel):
 
     @classmethod
     def from_query(cls, query) -> "ConnectionParams":
-        data: dict[str, Any] = dict(query)
-        for key in ("inactivity_timeout", "seed"):
-            if key in data:
-                try:
-                    data[key] = int(data[key])
-                except ValueError:
-                    pass                 # the model's validation names it
-        return cls.model_validate(data)
+        return cls.model_validate(_query_ints(query, ("inactivity_timeout", "seed")))

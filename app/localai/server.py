@@ -62,6 +62,7 @@ from ..settings import ServerSettings
 from . import backend_pb2 as pb
 from . import backend_pb2_grpc as pb_grpc
 from .options import BACKEND_NAME, LoadConfig, OptionError, TTSParams, load_config, parse_tts_params
+from .output import DstRefused, DstWriteFailed, OutputFile
 
 log = logging.getLogger("mossrt.localai")
 
@@ -500,11 +501,16 @@ class MossTTSBackend(pb_grpc.BackendServicer):
     def TTS(self, request, context):
         loaded = self._require_loaded(request)
         job = self._prepare(loaded, request)
-        dst = self._check_dst(loaded, request.dst)
-        pcm = b"".join(self._pcm(loaded, job, context, "TTS"))
-        samples = np.frombuffer(pcm, dtype="<i2")
-        self._write_wav(dst, samples, job.sample_rate)
-        return pb.Result(success=True, message=f"{samples.size / job.sample_rate:.2f} s -> {dst}")
+        with self._check_dst(loaded, request.dst) as out:        # its folder held open until written
+            pcm = b"".join(self._pcm(loaded, job, context, "TTS"))
+            samples = np.frombuffer(pcm, dtype="<i2")
+            try:
+                out.write_wav(samples, job.sample_rate)
+            except DstRefused as e:
+                raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+            except DstWriteFailed as e:
+                raise _Abort(grpc.StatusCode.INTERNAL, str(e)) from None
+        return pb.Result(success=True, message=f"{samples.size / job.sample_rate:.2f} s -> {out.path}")
 
     @_streaming
     def TTSStream(self, request, context):
@@ -718,46 +724,21 @@ class MossTTSBackend(pb_grpc.BackendServicer):
             if gone.is_set():
                 log.info("%s: cancelled by the client after %d frames; stream closed", rpc, frames)
 
-    def _check_dst(self, loaded: _Loaded, dst: str) -> Path:
-        """Where ``TTS`` may write: a new file (LocalAI names a new one in its generated-content folder, which
-        it has created) in an existing, writable folder, inside ``output_dir`` when that option is set, and
-        never inside the model, voices or reference folders. Every refused path gets the same error, so
-        ``dst`` cannot probe the file system."""
-        refused = _Abort(grpc.StatusCode.INVALID_ARGUMENT, f"dst {dst!r}: not a new file in a writable output "
-                                                           "folder (see the output_dir option)")
+    @staticmethod
+    def _check_dst(loaded: _Loaded, dst: str) -> OutputFile:
+        """Where ``TTS`` may write (app/localai/output.py): a new file (LocalAI names a new one in its
+        generated-content folder, which it has created) in an existing, writable folder, inside ``output_dir``
+        when that option is set, and never inside the model, voices or reference folders; its folder is
+        opened now and the WAV written relative to it. Every refused path gets the same error, so ``dst``
+        cannot probe the file system."""
         if not dst.strip():
             raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, "dst: the output WAV path is empty")
+        protected = [loaded.config.model_path, loaded.bundle_dir, loaded.service.voices.dir,
+                     loaded.config.reference_dir]
         try:
-            path = Path(dst).expanduser()
-            parent = path.parent.resolve(strict=True)
-            target = parent / path.name
-            if not path.name or path.name in (".", "..") or os.path.lexists(target) or not os.access(parent, os.W_OK):
-                raise refused
-            protected = [loaded.config.model_path, loaded.bundle_dir, loaded.service.voices.dir,
-                         loaded.config.reference_dir]
-            for folder in protected:
-                if folder and parent.is_relative_to(Path(folder).resolve()):
-                    raise refused
-            if loaded.config.output_dir and not parent.is_relative_to(Path(loaded.config.output_dir).resolve()):
-                raise refused
-        except (OSError, RuntimeError, ValueError):
-            raise refused from None
-        return target
-
-    @staticmethod
-    def _write_wav(dst: Path, samples: np.ndarray, sample_rate: int) -> None:
-        """A 16-bit mono PCM WAV with real sizes, created at ``dst`` (never over an existing file)."""
-        import soundfile as sf
-
-        try:
-            with open(dst, "xb") as f:
-                sf.write(f, samples, sample_rate, subtype="PCM_16", format="WAV")
-        except FileExistsError:
-            raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, f"dst {str(dst)!r}: not a new file in a writable output "
-                                                           "folder (see the output_dir option)") from None
-        except Exception as e:
-            dst.unlink(missing_ok=True)
-            raise _Abort(grpc.StatusCode.INTERNAL, f"dst {str(dst)!r}: writing the WAV failed: {e}") from None
+            return OutputFile(dst, protected, loaded.config.output_dir)
+        except DstRefused as e:
+            raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
 
 
 # ---------------------------------------------------------------------------------------------- serving

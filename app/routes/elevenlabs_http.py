@@ -12,39 +12,47 @@ from __future__ import annotations
 
 import base64
 import json
+from typing import Literal
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StrictStr, ValidationError
 from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
 
 from engine.errors import EngineError
 from engine.handles import AsyncSink
 
 from ..elevenlabs.alignment import CLOCKS, Aligner
 from ..elevenlabs.formats import parse_output_format
-from ..errors import ApiError, from_engine, json_error
+from ..elevenlabs.protocol import QuerySeed, Seed
+from ..errors import HTTP_CODES, ApiError, from_engine, json_error
 from ..metrics import StreamMeter
-from ..service import DEFAULT_VOICE, SamplingFields, TTSService
+from ..normalize import OFF, Switches
+from ..service import SamplingFields, TTSService
 from ..session.http import StreamedResponse, StreamEnd, outs, whole
 from ..session.pump import Audio, Failed, TurnAudio
-from ..session.utterance import prepare_utterance
+from ..session.utterance import aprepare_utterance
 
 router = APIRouter()
 TTS_PATH = "/v1/text-to-speech/{voice_id}"
 # routes whose successful requests count themselves when their stream ends (the status is known only then)
 STREAMED_PATHS = tuple(TTS_PATH + suffix for suffix in ("", "/stream", "/with-timestamps", "/stream/with-timestamps"))
-ROUTE_PREFIXES = ("/v1/text-to-speech/", "/v1/voices")     # answered in ElevenLabs' error shape
+# ElevenLabs' apply_text_normalization: on, off, or (auto) the server's default
+NORMALIZATION = {"on": Switches(), "off": OFF, "auto": None}
+ROUTE_PREFIXES = ("/v1/text-to-speech/", "/v1/voices", "/v2/voices", "/v1/user")   # ElevenLabs' error shape
 
 
 class TextToSpeechRequest(BaseModel):
-    """The body. ``model_id``, ``voice_settings``, ``language_code``, ``previous_text`` / ``next_text``,
-    pronunciation dictionaries and text-normalisation switches are accepted and ignored."""
+    """The body. ``model_id``, ``voice_settings``, ``language_code``, ``previous_text`` / ``next_text`` and
+    pronunciation dictionaries are accepted and ignored; ``apply_text_normalization`` ``on``/``off`` turns
+    :mod:`app.normalize` on or off (``auto``: the server's default)."""
 
     model_config = ConfigDict(extra="ignore")
     text: StrictStr = Field(min_length=1)
     model_id: StrictStr | None = None
-    seed: StrictInt | None = Field(None, ge=0, lt=2**32)
+    seed: Seed | None = None                        # wins over a query seed (docs/api-elevenlabs.md)
+    apply_text_normalization: Literal["auto", "on", "off"] = "auto"
 
 
 @router.post(TTS_PATH, response_class=Response, include_in_schema=False)
@@ -66,17 +74,118 @@ async def text_to_speech_with_timestamps(voice_id: str, request: Request):
 @router.get("/v1/voices", include_in_schema=False)
 async def list_voices(request: Request):
     """ElevenLabs' voice list as clients read it: ``default`` (the model's own timbre), then registered voices."""
-    service: TTSService = request.app.state.service
-    voices = [{"voice_id": DEFAULT_VOICE, "name": "Default", "category": "premade", "labels": {},
-               "description": "the model's own voice (no reference)"}]
-    voices += [{"voice_id": r.id, "name": r.name, "category": "cloned", "labels": {}, "description": None}
-               for r in service.voices.list()]
+    voices = await _voices(request)
     return {"voices": voices, "has_more": False, "total_count": len(voices), "next_page_token": None}
+
+
+@router.get("/v1/voices/{voice_id}", include_in_schema=False)
+async def get_voice(voice_id: str, request: Request):
+    """One voice of the list (``voices.get``); ``with_settings`` is accepted and ignored."""
+    for voice in await _voices(request):
+        if voice["voice_id"] == voice_id:
+            return voice
+    return ApiError("voice_not_found", f"voice {voice_id!r} not found", "voice_id").elevenlabs_response()
+
+
+@router.get("/v2/voices", include_in_schema=False)
+async def search_voices(request: Request):
+    """``voices.search``: ``search`` (in the name and description, any case), ``category``, ``voice_type``
+    (``default``: the built-in one; ``personal``, ``non-default``, ``non-community``: the registered ones),
+    ``voice_ids``, ``sort`` (``name`` or ``created_at_unix``) and ``sort_direction``, then ``page_size``
+    (1..100, default 10) and ``next_page_token``. Other filters (labels, sharing) match every voice: ours carry
+    none."""
+    q = request.query_params
+    try:
+        size = int(q.get("page_size") or 10)
+        offset = int(q.get("next_page_token") or 0)
+    except ValueError:
+        return ApiError("invalid_value", "page_size and next_page_token are integers",
+                        "page_size").elevenlabs_response()
+    if not 1 <= size <= 100 or offset < 0:
+        return ApiError("invalid_value", "page_size: 1..100", "page_size").elevenlabs_response()
+    voices = await _voices(request)
+    term = (q.get("search") or "").lower()
+    ids = set(q.getlist("voice_ids")) - {""}
+    kind = q.get("voice_type")
+    voices = [v for v in voices
+              if (not term or term in f"{v['name']} {v['description'] or ''}".lower())
+              and q.get("category") in (None, "", v["category"]) and (not ids or v["voice_id"] in ids)
+              and (kind in (None, "", "saved")
+                   or kind != "community" and (kind == "default") == (v["category"] == "premade"))]
+    if q.get("sort") in ("name", "created_at_unix"):
+        voices.sort(key=lambda v: (v[q["sort"]] or 0) if q["sort"] == "created_at_unix" else v["name"].lower(),
+                    reverse=q.get("sort_direction") == "desc")
+    page = voices[offset:offset + size]
+    more = offset + size < len(voices)
+    return {"voices": page, "has_more": more, "total_count": len(voices),
+            "next_page_token": str(offset + size) if more else None}
+
+
+async def _voices(request: Request) -> list[dict]:
+    """Every voice a request may name, in ElevenLabs' shape (``TTSService.list_voices``, without OpenAI's names)."""
+    service: TTSService = request.app.state.service
+    entries = await run_in_threadpool(service.list_voices, False)
+    return [{"voice_id": e.id, "name": e.name, "category": "cloned" if e.record else "premade", "labels": {},
+             "description": None if e.record else "the model's own voice (no reference)",
+             "created_at_unix": e.record.created_at if e.record else None, "is_owner": e.record is not None}
+            for e in entries]
+
+
+@router.get("/v1/user", include_in_schema=False)
+async def get_user(request: Request):
+    """``user.get``: one local account with no quota to count (what clients read to check their key)."""
+    service: TTSService = request.app.state.service
+    voices = await run_in_threadpool(service.voices.list)
+    limit = service.settings.max_voices
+    return {"user_id": "mossrt", "workspace_id": "mossrt", "first_name": "mossrt", "created_at": service.created,
+            "is_new_user": False, "is_onboarding_completed": True, "is_onboarding_checklist_completed": True,
+            "can_use_delayed_payment_methods": False, "is_api_key_hashed": False, "seat_type": "workspace_admin",
+            "subscription": {"tier": "self-hosted", "status": "active", "character_count": 0,
+                             "character_limit": service.settings.max_input_chars, "max_credit_limit_extension": 0,
+                             "can_extend_character_limit": False, "allowed_to_extend_character_limit": False,
+                             "voice_slots_used": len(voices), "professional_voice_slots_used": 0,
+                             "professional_voice_slots_used_in_workspace": 0, "voice_limit": limit,
+                             "voice_add_edit_counter": 0, "professional_voice_limit": 0,
+                             "can_extend_voice_limit": False, "can_use_instant_voice_cloning": True,
+                             "can_use_professional_voice_cloning": False,
+                             "current_overage": {"amount": "0", "currency": "usd"}}}
+
+
+def model_list(service: TTSService, names: tuple[str, ...]) -> list[dict]:
+    """``GET /v1/models`` for an ElevenLabs client (``models.list``; see :func:`wants_elevenlabs`)."""
+    demo = " (demo bundle: random weights, the audio is noise)" if service.bundle.is_demo else ""
+    return [{"model_id": name, "name": "MOSS-TTS-Realtime" if i == 0 else name, "can_do_text_to_speech": True,
+             "can_do_voice_conversion": False, "can_use_style": False, "can_use_speaker_boost": False,
+             "can_be_finetuned": False, "serves_pro_voices": False, "requires_alpha_access": False,
+             "token_cost_factor": 1.0, "maximum_text_length_per_request": service.settings.max_input_chars,
+             "description": "streaming text-to-speech" + demo,
+             "languages": [{"language_id": "en", "name": "English"}, {"language_id": "zh", "name": "Chinese"}]}
+            for i, name in enumerate(names)]
+
+
+def wants_elevenlabs(request: Request) -> bool:
+    """Whether ``GET /v1/models`` comes from an ElevenLabs client: it sends ElevenLabs' key header
+    ``xi-api-key`` (its SDK with a key, Open WebUI's ElevenLabs engine) or is the SDK (``X-Fern-SDK-Name:
+    elevenlabs``, sent with or without a key). OpenAI clients send ``Authorization`` or nothing."""
+    return "xi-api-key" in request.headers or request.headers.get("x-fern-sdk-name", "").lower() == "elevenlabs"
+
+
+def _query_seed(request: Request) -> int | None:
+    """``?seed=``, refused as the WebSockets refuse it (same bounds, ``invalid_request``)."""
+    try:
+        return QuerySeed.from_query(request.query_params).seed
+    except ValidationError as e:
+        err = e.errors()[0]
+        raise ApiError("invalid_request", f"{'.'.join(map(str, err['loc']))}: {err['msg']}") from None
 
 
 async def _body(request: Request) -> TextToSpeechRequest:
     try:
         data = json.loads(await request.body() or b"null")
+    except HTTPException as e:      # the request guard's 408 / 413 while the body streamed in: in ElevenLabs' shape
+        if e.status_code not in HTTP_CODES:
+            raise
+        raise ApiError(HTTP_CODES[e.status_code], str(e.detail), headers=e.headers) from None
     except Exception as e:  # noqa: BLE001 - json_error says which failures are bad JSON
         err = json_error(e)
         if err is None:
@@ -99,11 +208,13 @@ async def _speak(voice_id: str, request: Request, timestamps: str | None):
         clock = request.query_params.get("alignment", "speech")
         if clock not in CLOCKS:
             raise ApiError("invalid_value", f"alignment {clock!r}: one of {', '.join(CLOCKS)}", "alignment")
+        query_seed = _query_seed(request)
         body = await _body(request)
         voice = await run_in_threadpool(service.resolve_voice, voice_id, "voice_id")   # reads its codes
-        seed = body.seed if body.seed is not None else service.settings.elevenlabs_seed
-        utterance = prepare_utterance(service, body.text, voice, SamplingFields(
-            seed=seed, greedy=service.settings.elevenlabs_greedy or None), param="text")
+        seed = next((s for s in (body.seed, query_seed, service.settings.elevenlabs_seed) if s is not None), None)
+        utterance = await aprepare_utterance(service, body.text, voice, SamplingFields(
+            seed=seed, greedy=service.settings.elevenlabs_greedy or None), param="text",
+            normalization_options=NORMALIZATION[body.apply_text_normalization])
         encoder = fmt.encoder(service.model.codec.sample_rate)
         try:
             handle = await utterance.start(service, AsyncSink(), arrived=request.state.started)
@@ -114,11 +225,11 @@ async def _speak(voice_id: str, request: Request, timestamps: str | None):
         return from_engine(e).elevenlabs_response()
     meter = StreamMeter(metrics, "elevenlabs_http", request.state.started)
     end = StreamEnd(handle, TurnAudio(meter, encoder=encoder), metrics, endpoint)
-    aligner = Aligner(clock) if timestamps else None
-    chunks = _chunks(end, aligner, body.text)
+    aligner = utterance.aligner(clock) if timestamps else None
+    chunks = aligned_chunks(end, aligner, utterance.text)           # what the model reads
     headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no", "X-Request-Id": request.state.request_id}
     if timestamps == "whole":
-        reply = await whole(request, end, _whole(chunks, aligner))
+        reply = await whole(request, end, whole_aligned(chunks, aligner))
         return JSONResponse(reply if reply is not None else {}, headers=headers)
     stall = service.policy.stall_timeout
     if timestamps:
@@ -127,7 +238,7 @@ async def _speak(voice_id: str, request: Request, timestamps: str | None):
                             headers=headers)
 
 
-async def _chunks(end: StreamEnd, aligner: Aligner | None, text: str):
+async def aligned_chunks(end: StreamEnd, aligner: Aligner | None, text: str):
     """(encoded bytes, alignment in seconds from the start or None) per frame, then the tail."""
     if aligner is not None:
         aligner.add(text)
@@ -142,7 +253,7 @@ async def _chunks(end: StreamEnd, aligner: Aligner | None, text: str):
             yield out.tail, span.seconds() if span is not None else None
 
 
-async def _whole(chunks, aligner: Aligner) -> dict:
+async def whole_aligned(chunks, aligner: Aligner) -> dict:
     """The whole reply: its audio once, and its alignment re-timed knowing where the speech ended (the
     speech clock; the read clock's spans as they came)."""
     audio: list[bytes] = []

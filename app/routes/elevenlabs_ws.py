@@ -112,7 +112,7 @@ class ElevenLabsSession(WireSession):
         if not isinstance(key, str) or not self.policy.key_valid(key):
             raise SessionEnd(refused)
         self._first = data
-        self._quiet_since = time.monotonic()
+        self.active_since = self.quiet_since = time.monotonic()     # the timers count from the key
 
     async def open(self) -> None:
         """Query parameters, readiness and the voice: refused before any text."""
@@ -130,7 +130,7 @@ class ElevenLabsSession(WireSession):
         seed = params.seed if params.seed is not None else self.service.settings.elevenlabs_seed
         self.alignment = params.alignment
         self.conversation = Conversation(self.service, self.policy, voice, seed)
-        # the client's inactivity_timeout, at most the server's idle timeout (a socket holds its slot)
+        # the client's inactivity_timeout, at most the server's idle timeout (a socket holds its context)
         self.inactivity = min(float(params.inactivity_timeout or DEFAULT_INACTIVITY_TIMEOUT), self.policy.idle_timeout)
         if self._first is not None:
             first, self._first = self._first, None
@@ -145,14 +145,14 @@ class ElevenLabsSession(WireSession):
 
     def _next_deadline(self, now: float):
         deadline, what = super()._next_deadline(now)
-        if not self.busy():                   # ElevenLabs' inactivity: no text for inactivity_timeout seconds
-            due = self._quiet_since + self.inactivity
+        if not self.busy():                   # ElevenLabs' inactivity: no message for inactivity_timeout seconds
+            due = self.quiet_since + self.inactivity     # (keep-alives count; the idle timeout's clock ignores them)
             if deadline is None or due < deadline:
                 return due, "inactivity"
         return deadline, what
 
     async def on_protocol_deadline(self, what: str, now: float) -> None:
-        if what == "inactivity" and not self.busy() and now - self._quiet_since >= self.inactivity:
+        if what == "inactivity" and not self.busy() and now - self.quiet_since >= self.inactivity:
             raise SessionEnd(ApiError("input_timeout_exceeded", f"no text received for {self.inactivity:g} s"))
 
     async def on_text_timeout(self) -> None:
@@ -167,14 +167,14 @@ class ElevenLabsSession(WireSession):
         context_id = data.get("context_id") if isinstance(data, dict) and isinstance(data.get("context_id"), str) \
             else None
         if not isinstance(data, dict):
-            await self.error(ApiError("invalid_message", "every message is a JSON object"))
+            await self.refuse(ApiError("invalid_message", "every message is a JSON object"))
             return
         try:
             msg = ClientMessage.model_validate(data)
         except ValidationError as e:
             err = e.errors()[0]
-            await self.error(ApiError("invalid_message", f"{'.'.join(map(str, err['loc']))}: {err['msg']}"),
-                             context_id=context_id)
+            await self.refuse(ApiError("invalid_message", f"{'.'.join(map(str, err['loc']))}: {err['msg']}"),
+                              context_id=context_id)
             return
         try:
             await self.handle_message(msg)
@@ -182,7 +182,7 @@ class ElevenLabsSession(WireSession):
             if e.status >= 500 and e.status != 503:
                 raise
             self.metrics.requests.labels(self.path, str(e.status)).inc()
-            await self.error(e, context_id=msg.context_id)
+            await self.refuse(e, context_id=msg.context_id)
         if self._closing and (self.multi or self.active is None):
             await self._close(1000)
 
@@ -199,19 +199,22 @@ class ElevenLabsSession(WireSession):
                 await self._close_context(ctx)
             return
         if msg.text is None and not msg.flush:
+            self.keepalive()    # asks for nothing
             return
         text = msg.text or ""
         if text:
             Conversation.check_text(text)       # refused before it opens a context or reaches the alignment
         if ctx is None and cid in self.closed_ids:
             if not (msg.text or msg.flush):
-                return          # a keep-alive naming a context that has ended
+                self.keepalive()    # a keep-alive naming a context that has ended
+                return
             raise ApiError("context_closed", f"context {cid!r} was closed: open a new context_id for more text",
                            "context_id")
         if ctx is None:
-            if msg.text is not None and msg.text.strip() == "" and not msg.flush and msg.context_id is None \
-                    and self.multi:
-                return          # a keep-alive without a context
+            if self.multi and msg.text is not None and not msg.flush and (
+                    msg.text == "" or (msg.text.strip() == "" and msg.context_id is None)):
+                self.keepalive()    # a keep-alive without a context, or naming one not opened: opens none
+                return
             if len(self.contexts) >= self.policy.max_contexts:
                 raise ApiError("too_many_contexts", f"at most {self.policy.max_contexts} contexts may be open on one "
                                "socket: close one first", "context_id")
@@ -219,10 +222,14 @@ class ElevenLabsSession(WireSession):
             if msg.text == " ":
                 return          # the context-opening " " (it carries the ignored voice settings)
         if (ctx.close_requested or ctx.cancelled) and not (msg.text or msg.flush):
-            return              # a keep-alive for a context that is finishing
+            self.keepalive()    # a keep-alive for a context that is finishing
+            return
         if ctx.close_requested or ctx.cancelled:
             raise ApiError("context_closed", f"context {cid!r} was closed: open a new context_id for more text",
                            "context_id")
+        if self._is_keepalive(ctx, msg):
+            self.keepalive()    # "" (or whitespace with nothing to speak): opens no turn, is not spoken
+            return
         if text:
             self._check_room(ctx, len(text))
             speaking = self.active is ctx and not ctx.turn_ended
@@ -239,6 +246,14 @@ class ElevenLabsSession(WireSession):
             await self._close_context(ctx)
             return
         await self._start_next()
+
+    def _is_keepalive(self, ctx: Context, msg: ClientMessage) -> bool:
+        """Text that asks for nothing: ``""``, or whitespace for a context with nothing to speak (no turn open,
+        no text waiting), as ElevenLabs' clients send every few seconds to keep a socket. stream-input's
+        ``{"text": ""}`` is its end of input, a flush a command: neither is a keep-alive."""
+        if msg.flush or msg.text is None or msg.text.strip() or (msg.text == "" and not self.multi):
+            return False
+        return msg.text == "" or not (self._unflushed(ctx) or ctx.pending)
 
     def _check_room(self, ctx: Context, incoming: int) -> None:
         """The socket's text buffer: every context's waiting text and what its stream has not spoken yet."""

@@ -8,7 +8,8 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from ..session.policy import require_key
 from ..errors import ApiError
-from ..schemas import ModelCard, ModelList
+from ..schemas import AudioModelList, ModelCard, ModelList, Named
+from .elevenlabs_http import model_list, wants_elevenlabs
 from ..service import MODEL_ALIASES, MODEL_ID, TTSService
 
 router = APIRouter()
@@ -48,7 +49,8 @@ async def metrics(request: Request):
     scheduler = service.scheduler
     stats = scheduler.stats() if scheduler is not None else None
     prefix = scheduler.prefix_cache.stats if scheduler is not None and scheduler.prefix_cache is not None else None
-    return Response(m.render(stats, prefix), media_type=CONTENT_TYPE_LATEST)
+    resumes = scheduler.take_resume_seconds() if scheduler is not None else []
+    return Response(m.render(stats, prefix, resumes), media_type=CONTENT_TYPE_LATEST)
 
 
 def _cards(service: TTSService) -> list[ModelCard]:
@@ -56,10 +58,22 @@ def _cards(service: TTSService) -> list[ModelCard]:
     return [ModelCard(id=name, created=service.created, owned_by=owner) for name in (MODEL_ID, *MODEL_ALIASES)]
 
 
-@router.get("/v1/models", dependencies=[Depends(require_key)], response_model=ModelList)
+@router.get("/v1/models", dependencies=[Depends(require_key)], response_model=ModelList,
+            responses={200: {"description": "OpenAI's list; to an ElevenLabs client (an ``xi-api-key`` header, or "
+                                            "its SDK) ElevenLabs' array of ``{model_id, name, ...}``"}})
 async def list_models(request: Request):
     """Our model and the OpenAI names we accept for it (any ``model`` string is accepted by the speech route)."""
-    return ModelList(data=_cards(request.app.state.service))
+    service: TTSService = request.app.state.service
+    if wants_elevenlabs(request):
+        return JSONResponse(model_list(service, (MODEL_ID, *MODEL_ALIASES)))
+    return ModelList(data=_cards(service))
+
+
+@router.get("/v1/audio/models", dependencies=[Depends(require_key)], response_model=AudioModelList)
+async def list_audio_models(request: Request):
+    """The speech models, as Open WebUI and Kokoro list them (``models``) and in OpenAI's list (``data``)."""
+    cards = _cards(request.app.state.service)
+    return AudioModelList(data=cards, models=[Named(id=c.id, name=c.id) for c in cards])
 
 
 @router.get("/v1/models/{model_id}", dependencies=[Depends(require_key)], response_model=ModelCard)

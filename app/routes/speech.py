@@ -1,4 +1,5 @@
-"""``POST /v1/audio/speech``: OpenAI's speech endpoint, streamed as frames are generated (audio or SSE).
+"""``POST /v1/audio/speech``: OpenAI's speech endpoint, streamed as frames are generated (audio or SSE, with word
+timestamps when asked) or whole (``stream: false``).
 Parses the body and renders the audio; the utterance, its stream and every bound are :mod:`app.session`'s."""
 
 from __future__ import annotations
@@ -12,34 +13,59 @@ from starlette.concurrency import run_in_threadpool
 
 from engine.handles import AsyncSink
 
-from ..audio_formats import CONTENT_TYPES, StreamEncoder
+from ..audio_formats import CONTENT_TYPES, StreamEncoder, whole_file
+from ..elevenlabs.alignment import Aligner
 from ..errors import ApiError
 from ..metrics import StreamMeter
 from ..schemas import SpeechRequest
 from ..service import SamplingFields, TTSService
-from ..session.http import StreamedResponse, StreamEnd, outs
+from ..session.http import StreamedResponse, StreamEnd, outs, whole
 from ..session.policy import require_key
 from ..session.pump import Audio, Ended, Failed, TurnAudio
-from ..session.utterance import prepare_utterance
+from ..session.utterance import Utterance, aprepare_utterance
+from ..word_timestamps import WordTimestamps
 
 router = APIRouter()
 ENDPOINT = "/v1/audio/speech"
+IGNORED_HEADER = "X-Mossrt-Ignored"        # request fields this model cannot use, named in the reply
 
 
 @router.post(ENDPOINT, dependencies=[Depends(require_key)], response_class=Response,
              responses={200: {"content": {t: {"schema": {"type": "string", "format": "binary"}}
                                           for t in sorted(set(CONTENT_TYPES.values()))}
                               | {"text/event-stream": {}},
-                              "description": "audio, streamed as it is generated"}})
+                              "description": "audio, streamed as it is generated (or whole: stream false)"}})
 async def create_speech(body: SpeechRequest, request: Request):
+    if body.return_timestamps and body.stream_format != "sse":
+        raise ApiError("invalid_value", "return_timestamps needs stream_format 'sse' (or POST /dev/captioned_speech)",
+                       "return_timestamps")
+    if not body.stream and body.stream_format == "sse":
+        raise ApiError("invalid_value", "stream false is one audio body: not with stream_format 'sse'", "stream")
+    utterance, end = await start_speech(body, request, "sse" if body.stream_format == "sse" else "http", ENDPOINT)
+    headers = reply_headers(body, request)
+    content_type = end.turn.encoder.content_type
+    if not body.stream:
+        audio = await whole(request, end, _joined(end, body.response_format))
+        return Response(audio or b"", media_type=content_type, headers=headers)
+    stall = request.app.state.service.policy.stall_timeout
+    if body.stream_format == "sse":
+        aligner = utterance.aligner() if body.return_timestamps else None
+        return StreamedResponse(_sse(len(utterance.ids), end, aligner, utterance.text), end, stall,
+                                media_type="text/event-stream", headers=headers)
+    return StreamedResponse(_audio(end), end, stall, media_type=content_type, headers=headers)
+
+
+async def start_speech(body: SpeechRequest, request: Request, transport: str,
+                       endpoint: str) -> tuple[Utterance, StreamEnd]:
+    """The request's utterance checked and its stream opened (every route with OpenAI's speech body)."""
     service: TTSService = request.app.state.service
     service.require_ready()
     voice = await run_in_threadpool(service.resolve_voice,     # a registered voice's codes come from disk
                                     body.voice.model_dump() if hasattr(body.voice, "model_dump") else body.voice)
-    utterance = prepare_utterance(service, body.input, voice, SamplingFields(
+    utterance = await aprepare_utterance(service, body.input, voice, SamplingFields(
         seed=body.seed, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
         repetition_penalty=body.repetition_penalty, repetition_window=body.repetition_window, greedy=body.greedy),
-        body.max_frames, body.allow_special_tokens)
+        body.max_frames, body.allow_special_tokens, normalization_options=body.normalization_options)
     try:
         encoder = StreamEncoder(body.response_format, service.model.codec.sample_rate, body.speed,
                                 out_rate=body.sample_rate)
@@ -51,14 +77,22 @@ async def create_speech(body: SpeechRequest, request: Request):
         encoder.close()
         raise                                        # counted by the request guard with its status
     metrics = request.app.state.metrics
-    meter = StreamMeter(metrics, "sse" if body.stream_format == "sse" else "http", request.state.started)
-    end = StreamEnd(handle, TurnAudio(meter, encoder=encoder), metrics, ENDPOINT)
+    meter = StreamMeter(metrics, transport, request.state.started)
+    return utterance, StreamEnd(handle, TurnAudio(meter, encoder=encoder), metrics, endpoint)
+
+
+def reply_headers(body: SpeechRequest, request: Request) -> dict[str, str]:
+    """A speech reply's headers; ``instructions`` is answered, not silently dropped: MOSS-TTS-Realtime conditions
+    on its fixed system prompt, the text and a voice only (docs/api-openai.md)."""
     headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no", "X-Request-Id": request.state.request_id}
-    stall = service.policy.stall_timeout
-    if body.stream_format == "sse":
-        return StreamedResponse(_sse(len(utterance.ids), end), end, stall, media_type="text/event-stream",
-                                headers=headers)
-    return StreamedResponse(_audio(end), end, stall, media_type=encoder.content_type, headers=headers)
+    if body.instructions:
+        headers[IGNORED_HEADER] = "instructions"
+    return headers
+
+
+async def _joined(end: StreamEnd, fmt: str) -> bytes:
+    """The whole audio (``stream: false``); a failure after it began ends it where it failed, as a stream does."""
+    return whole_file(fmt, b"".join([data async for data in _audio(end)]))
 
 
 async def _audio(end: StreamEnd):
@@ -70,17 +104,26 @@ async def _audio(end: StreamEnd):
             yield data
 
 
-async def _sse(input_tokens: int, end: StreamEnd):
+async def _sse(input_tokens: int, end: StreamEnd, aligner: Aligner | None, text: str):
     meter = end.turn.meter
+    words = WordTimestamps() if aligner is not None else None
+    if aligner is not None:
+        aligner.add(text)
     async for out in outs(end):
-        if isinstance(out, Audio) and out.data:
-            yield _event({"type": "speech.audio.delta", "audio": base64.b64encode(out.data).decode()})
+        if isinstance(out, Audio):
+            if out.data:
+                yield _event({"type": "speech.audio.delta", "audio": base64.b64encode(out.data).decode()})
+            if aligner is not None and (done := words.add(_seconds(aligner.frame(out.frame.text_chars,
+                                                                                 out.frame.audio)))):
+                yield _timestamps(done)
         elif isinstance(out, Failed):             # instead of done
             yield _event({"type": "speech.audio.error", **out.error.body()})
             return
         elif isinstance(out, Ended):
             if out.tail:
                 yield _event({"type": "speech.audio.delta", "audio": base64.b64encode(out.tail).decode()})
+            if aligner is not None and (done := words.add(_seconds(aligner.rest())) + words.finish()):
+                yield _timestamps(done)
             timing = meter.finish()
             stats = out.stats
             yield _event({"type": "speech.audio.done",
@@ -89,6 +132,15 @@ async def _sse(input_tokens: int, end: StreamEnd):
                           "finish_reason": stats.finish_reason.value,
                           "metrics": {**timing, "frames": stats.frames, "audio_seconds": round(meter.audio_s, 3),
                                       "elapsed_ms": timing["total_ms"]}})
+
+
+def _seconds(span) -> dict | None:
+    return span.seconds() if span is not None else None
+
+
+def _timestamps(words: list[dict]) -> bytes:
+    """The SSE event of the words whose audio has been sent (after that audio's delta)."""
+    return _event({"type": "speech.audio.timestamps", "timestamps": words})
 
 
 def _event(payload: dict) -> bytes:

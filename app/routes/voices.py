@@ -10,7 +10,7 @@ from engine.voices import VOICE_NAME_PATTERN
 
 from ..session.policy import require_key
 from ..errors import ApiError
-from ..schemas import DeletedVoice, VoiceList, VoiceObject
+from ..schemas import DeletedVoice, Named, VoiceList, VoiceObject
 from ..service import DEFAULT_VOICE, OPENAI_VOICES, TTSService
 from ..uploads import decode_upload
 
@@ -52,8 +52,12 @@ async def create_voice(request: Request, name: str = Form(..., pattern=VOICE_NAM
 
 @router.get("/v1/audio/voices", response_model=VoiceList)
 async def list_voices(request: Request):
+    """The registered voices (``data``) and every voice a request may name (``voices``: ``default``, OpenAI's
+    names, the registered ones; what Open WebUI's voice menu lists)."""
     service: TTSService = request.app.state.service
-    return VoiceList(data=[VoiceObject(**r.public()) for r in await run_in_threadpool(service.voices.list)])
+    entries = await run_in_threadpool(service.list_voices)
+    return VoiceList(data=[VoiceObject(**e.record.public()) for e in entries if e.record is not None],
+                     voices=[Named(id=e.id, name=e.name) for e in entries])
 
 
 @router.get("/v1/audio/voices/{voice_id}", response_model=VoiceObject)

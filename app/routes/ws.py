@@ -124,28 +124,28 @@ class OurSession(WireSession):
 
     async def on_data(self, data) -> None:
         if not isinstance(data, dict) or not isinstance(data.get("type"), str):
-            await self.error(ApiError("invalid_message", "every message is a JSON object with a string \"type\""))
+            await self.refuse(ApiError("invalid_message", "every message is a JSON object with a string \"type\""))
             return
         event_id = data.get("event_id") if isinstance(data.get("event_id"), str) else None
         handler = {"session.update": self.on_session_update, "input.user": self.on_user, "input.text": self.on_text,
                    "input.tokens": self.on_tokens, "input.done": self.on_done, "response.cancel": self.on_cancel,
                    "response.truncate": self.on_truncate}.get(data["type"])
         if handler is None:
-            await self.error(ApiError("unknown_type", f"unknown message type {data['type']!r}"), event_id=event_id)
+            await self.refuse(ApiError("unknown_type", f"unknown message type {data['type']!r}"), event_id=event_id)
             return
         try:
             await handler(data)
         except ValidationError as e:
             err = e.errors()[0]
             where = ".".join(str(p) for p in err["loc"])
-            await self.error(ApiError("invalid_value", f"{data['type']}: {where}: {err['msg']}"), event_id=event_id)
+            await self.refuse(ApiError("invalid_value", f"{data['type']}: {where}: {err['msg']}"), event_id=event_id)
         except (ApiError, EngineError) as e:
             err = from_engine(e)
             if err.code != "turn_refused":    # echoes of a refusal already counted (the 429) are not requests
                 self.metrics.requests.labels(PATH, str(err.status)).inc()
             if err.status == 503 or err.code == "max_turns":
                 raise SessionEnd(err) from None
-            await self.error(err, event_id=event_id)
+            await self.refuse(err, event_id=event_id)
 
     # ------------------------------------------------------------------ client messages
     async def on_session_update(self, data: dict) -> None:
@@ -211,6 +211,9 @@ class OurSession(WireSession):
 
     async def on_text(self, data: dict) -> None:
         msg = TextInput.model_validate(data)
+        if msg.text == "":
+            self.keepalive()                             # no text: opens no turn, moves no clock
+            return
         Conversation.check_text(msg.text)                # refused before it can open (and count) a turn
         self._refuse_text_of_refused_turn()
         await self._open_turn()
@@ -220,6 +223,9 @@ class OurSession(WireSession):
 
     async def on_tokens(self, data: dict) -> None:
         msg = TokensInput.model_validate(data)
+        if not msg.ids:
+            self.keepalive()                              # no ids: as an empty input.text
+            return
         self.service.model.check_text_ids(msg.ids)        # refuse bad ids before a turn opens
         self._refuse_text_of_refused_turn()
         await self._open_turn()
@@ -269,14 +275,19 @@ class OurSession(WireSession):
             voice = await run_in_threadpool(self.service.resolve_voice, self.voice_spec)   # reads its codes
             self.conversation = Conversation(self.service, self.policy, voice, self.sampling.seed)
         meter = StreamMeter(self.metrics, self.protocol)
+        before = self.conversation.handle
         try:
             await self.conversation.begin_turn(params, self.user_text, self.user_audio, self.max_frames)
         except ApiError as e:
             if e.code != "max_turns":
                 self.turn_refused = True      # the rest of this turn's text is refused at once, not retried
             raise
-        if self._sender is None:
-            self.start_sender()
+        if self.conversation.handle is not before or self._sender is None:
+            self.start_sender()               # a fresh stream (first turn, or an evicted context) gets its sender
+        if self.conversation.context_lost:
+            await self.error(ApiError("context_evicted", "this session's parked context was dropped to make room "
+                                      "(the server's parked-context budget): this turn starts on a fresh context, "
+                                      "without the earlier turns"))
         self.user_text, self.user_audio = "", None
         self.response_id = "resp_" + secrets.token_hex(8)
         rate, out_rate, fmt = self.service.model.codec.sample_rate, self.sample_rate, self.format

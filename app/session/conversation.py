@@ -1,7 +1,10 @@
 """A conversation: one scheduler stream that lives across a client's turns, and every bound a turn is held to.
 
 It owns the :class:`~engine.handles.StreamHandle` (opened at the first turn, with the voice and seed fixed
-then), admission (the queue timeout), the turn lifecycle (begin, push text or ids, end the text, cancel,
+then), admission (the queue timeout: at every turn, since between turns the stream may be parked — its
+slot given to a waiting stream, its KV rows kept on the host — and a parked stream takes a slot again at
+its next turn; one whose parked rows were evicted continues on a fresh stream,
+:attr:`Conversation.context_lost`), the turn lifecycle (begin, push text or ids, end the text, cancel,
 truncate), the text buffer bound, the turn limit and the text clock: an open turn that waits for text with
 nothing left to speak is due to have its text ended at :meth:`Conversation.text_deadline`. Only text that
 lets the turn go on moves that clock (text the tokenizer commits, or any text while the turn still has
@@ -14,7 +17,7 @@ import time
 
 import numpy as np
 
-from engine.errors import EngineError, InputError
+from engine.errors import ContextEvictedError, EngineError, InputError
 from engine.handles import AsyncSink, StreamHandle
 from engine.sampling import SamplingParams
 from engine.tokenizer import check_unicode
@@ -30,6 +33,7 @@ class Conversation:
         self.handle: StreamHandle | None = None
         self.turns = 0
         self.turn_open = False                 # from begin_turn until the turn's end arrived
+        self.context_lost = False              # the last turn began on a fresh stream: the parked one was evicted
         self._waiting_since: float | None = None
 
     # ------------------------------------------------------------------ the stream
@@ -59,9 +63,16 @@ class Conversation:
         catalogue's error: ``max_turns``, ``no_capacity``, ``input_too_long``, ``draining``..."""
         if self.turns >= self.policy.max_turns:
             raise ApiError("max_turns", f"this session reached its {self.policy.max_turns} turns")
-        handle = self._stream(params)
+        self.context_lost = False
         try:
-            await handle.abegin_turn(user_text, user_audio, None, max_frames, params)
+            try:
+                await self._stream(params).abegin_turn(user_text, user_audio, None, max_frames, params)
+            except ContextEvictedError:
+                # its parked context was dropped (the parked-context budget): as when a context is full, the
+                # turn goes on a fresh stream; the transport tells its client (context_lost)
+                self.fresh()
+                self.context_lost = True
+                await self._stream(params).abegin_turn(user_text, user_audio, None, max_frames, params)
         except EngineError as e:
             raise from_engine(e) from None
         self.turns += 1

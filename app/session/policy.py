@@ -22,6 +22,32 @@ from ..settings import ServerSettings
 SUBPROTOCOL_PREFIX = "mossrt.key."
 
 
+DEFAULT_PORTS = {"http": 80, "https": 443, "ws": 80, "wss": 443}
+
+
+def origin_key(value: str) -> str | None:
+    """An ``Origin`` as RFC 6454 serialises it — scheme and host lower-case, an IDN host as punycode, the
+    scheme's default port elided — so that forms of one origin compare equal; ``"null"`` as itself; None
+    for a value that is no origin (a path, query or userinfo, a list, a bad port or host). A trailing dot
+    is kept: ``app.example.`` is another origin than ``app.example``, as browsers hold it."""
+    value = value.strip()
+    if value.lower() == "null":
+        return "null"
+    try:
+        parts = urlsplit(value)
+        port = parts.port
+        host = parts.hostname
+        if (not parts.scheme or not host or "@" in parts.netloc or parts.path or parts.query or parts.fragment
+                or "://" not in value or any(c.isspace() or c in "?#" for c in value)):
+            return None
+        host = host if ":" in host else host.encode("idna").decode("ascii").lower()   # IPv6 as it is
+    except (ValueError, UnicodeError):
+        return None
+    scheme = parts.scheme.lower()
+    host = f"[{host}]" if ":" in host else host
+    return f"{scheme}://{host}" + ("" if port is None or port == DEFAULT_PORTS.get(scheme) else f":{port}")
+
+
 def bearer(value: str | None) -> str | None:
     """The key of an ``Authorization`` value: ``Bearer K`` → ``K`` (any case); anything else as it is."""
     if value is None:
@@ -35,6 +61,7 @@ class SessionPolicy:
     """The bounds of one client session, whatever its transport (docs/operations.md lists every bound)."""
 
     api_keys: tuple[str, ...]
+    keyless_routes: tuple[str, ...]   # read-only routes a client may GET without a key
     cors_origins: tuple[str, ...]
     queue_timeout: float          # a turn waits this long for a stream slot, then no_capacity (429)
     stall_timeout: float          # a send the client does not take within this ends its stream
@@ -48,7 +75,7 @@ class SessionPolicy:
 
     @classmethod
     def from_settings(cls, s: ServerSettings) -> "SessionPolicy":
-        return cls(api_keys=tuple(s.api_keys), cors_origins=tuple(s.cors_origins), queue_timeout=s.queue_timeout,
+        return cls(api_keys=tuple(s.api_keys), keyless_routes=tuple(s.keyless_routes), cors_origins=tuple(s.cors_origins), queue_timeout=s.queue_timeout,
                    stall_timeout=s.stall_timeout, text_timeout=s.ws_text_timeout, idle_timeout=s.ws_idle_timeout,
                    auth_timeout=s.ws_auth_timeout, max_message_bytes=s.ws_max_message_bytes,
                    max_buffered_chars=s.ws_max_buffered_chars, max_turns=s.ws_max_turns,
@@ -64,9 +91,10 @@ class SessionPolicy:
         key = bearer(candidate)
         return key is not None and any(hmac.compare_digest(key.encode(), k.encode()) for k in self.api_keys)
 
-    def http_key_error(self, headers) -> ApiError | None:
-        """The 401 of an HTTP request without a valid key (None when keys are off or it has one)."""
-        if not self.keys_required:
+    def http_key_error(self, headers, method: str = "", path: str = "") -> ApiError | None:
+        """The 401 of an HTTP request without a valid key (None when keys are off, it has one, or it reads one
+        of ``keyless_routes``)."""
+        if not self.keys_required or (method in ("GET", "HEAD") and path in self.keyless_routes):
             return None
         if self.key_valid(headers.get("authorization")) or self.key_valid(headers.get("xi-api-key")):
             return None
@@ -74,11 +102,23 @@ class SessionPolicy:
                                            "(or 'xi-api-key: <key>')")
 
     def origin_allowed(self, headers) -> bool:
-        """A WebSocket upgrade's ``Origin``: none (not a browser), ``*`` or listed, or this server's own host."""
-        origin = headers.get("origin")
-        if origin is None or "*" in self.cors_origins or origin in self.cors_origins:
+        """A WebSocket upgrade's ``Origin`` (Starlette ``Headers``): none (not a browser), ``*``, one listed
+        (compared as :func:`origin_key` serialises both; ``null`` only when listed), or an http(s) page of
+        this server's own ``Host``. Two ``Origin`` headers, or a value that is no origin, are refused."""
+        values = headers.getlist("origin")
+        if not values:
             return True
-        return urlsplit(origin).netloc.lower() == headers.get("host", "").lower()
+        if len(values) > 1:             # a browser sends one: which one a proxy or a check reads is anyone's guess
+            return False
+        if "*" in self.cors_origins:
+            return True
+        origin = origin_key(values[0])
+        if origin is None:
+            return False
+        if origin in {origin_key(o) for o in self.cors_origins}:
+            return True
+        scheme = origin.split("://", 1)[0]
+        return scheme in ("http", "https") and origin == origin_key(f"{scheme}://{headers.get('host', '')}")
 
     def websocket_credentials(self, headers, query) -> tuple[bool, str | None]:
         """(authorized by the handshake, the subprotocol to accept with). ``Authorization``, ElevenLabs'
@@ -96,6 +136,6 @@ async def require_key(request: Request) -> None:
     """FastAPI dependency of the ``/v1`` HTTP routes (async: it never waits in the shared thread pool). The
     request guard has already refused keyless requests before their bodies; this keeps each route's
     requirement explicit wherever it is mounted."""
-    err = request.app.state.service.policy.http_key_error(request.headers)
+    err = request.app.state.service.policy.http_key_error(request.headers, request.method, request.url.path)
     if err is not None:
         raise err

@@ -6,24 +6,34 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+from starlette.concurrency import run_in_threadpool
 
 from engine.errors import ContextLimitError, InputError, TextTooLongError
 from engine.generate import utterance_ids
 from engine.handles import EventSink, StreamHandle
 from engine.sampling import SamplingParams
 
+from ..elevenlabs.alignment import Aligner
 from ..errors import ApiError
+from ..normalize import OFF, Normalized, Switches, normalize
+from ..normalize.alignment import SentAligner
 
 
 @dataclass(frozen=True)
 class Utterance:
-    text: str
+    text: str                      # what the model reads: the sent text, normalized if that was asked for
     ids: list[int]
     voice: np.ndarray | None
     params: SamplingParams
     seed: int | None
     max_frames: int | None
     allow_special_tokens: bool
+    normalized: Normalized         # the text as sent, and where ``text`` differs from it
+
+    def aligner(self, clock: str = "speech") -> Aligner | SentAligner:
+        """An aligner for this utterance's frames (fed ``text``) whose spans are in the text as sent."""
+        aligner = Aligner(clock)
+        return SentAligner(aligner, self.normalized) if self.normalized.changed else aligner
 
     async def start(self, service, sink: EventSink, arrived: float | None = None) -> StreamHandle:
         """Its stream on the event loop: waiting for a slot awaits; the queue timeout counts from ``arrived``
@@ -38,24 +48,50 @@ class Utterance:
                                        self.allow_special_tokens, wait=wait, text=self.text)
 
 
+def normalization(service, switches: Switches | None) -> Switches:
+    """A request's normalization switches, or the server's default (``MOSSRT_NORMALIZE_TEXT``)."""
+    if switches is not None:
+        return switches
+    return Switches() if service.settings.normalize_text == "on" else OFF
+
+
+async def aprepare_utterance(service, text: str, *args, normalization_options: Switches | None = None,
+                             **kwargs) -> Utterance:
+    """:func:`prepare_utterance` on the event loop: when the text is to be normalized, in a worker thread (a
+    text of 4096 characters of numbers takes a second or two to say in words, and must not hold the loop)."""
+    if normalization(service, normalization_options).normalize:
+        return await run_in_threadpool(prepare_utterance, service, text, *args,
+                                       normalization_options=normalization_options, **kwargs)
+    return prepare_utterance(service, text, *args, normalization_options=normalization_options, **kwargs)
+
+
 def prepare_utterance(service, text: str, voice: np.ndarray | None, sampling, max_frames: int | None = None,
-                      allow_special_tokens: bool = False, param: str = "input") -> Utterance:
+                      allow_special_tokens: bool = False, param: str = "input",
+                      normalization_options: Switches | None = None) -> Utterance:
     """The checked utterance, or the catalogue's error naming ``param``: ``empty_input``, ``input_too_long``
     (it cannot be spoken whole within a stream's context and frame limit), ``invalid_value``. ``voice`` is
-    already resolved (its codes); ``sampling`` a :class:`~app.service.SamplingFields`."""
+    already resolved (its codes); ``sampling`` a :class:`~app.service.SamplingFields`; the text is normalized
+    (:mod:`app.normalize`) as ``normalization_options`` say, else as the server's default."""
     service.require_ready()
     if not isinstance(text, str) or not text.strip():
         raise ApiError("empty_input", f"{param} is empty", param)
+    try:
+        service.limits.check_text_chars(text)            # before normalizing: bounds its work
+    except TextTooLongError as e:
+        raise ApiError("input_too_long", str(e), param) from None
+    normalized = normalize(text, normalization(service, normalization_options))
     params = service.sampling(sampling)
     try:
         max_frames = service.limits.check_max_frames(max_frames)
     except InputError as e:
         raise ApiError("invalid_value", str(e), "max_frames") from None
     try:
-        ids = utterance_ids(service.model, service.limits, voice, max_frames, text=text,
+        ids = utterance_ids(service.model, service.limits, voice, max_frames, text=normalized.spoken,
                             allow_special_tokens=allow_special_tokens)
     except (TextTooLongError, ContextLimitError) as e:
-        raise ApiError("input_too_long", str(e), param) from None
+        said = " (normalized)" if normalized.changed else ""
+        raise ApiError("input_too_long", f"{e}{said}", param) from None
     except InputError as e:
         raise ApiError("invalid_value", str(e), param) from None
-    return Utterance(text, ids, voice, params, sampling.seed, max_frames, allow_special_tokens)
+    return Utterance(normalized.spoken, ids, voice, params, sampling.seed, max_frames, allow_special_tokens,
+                     normalized)

@@ -6,6 +6,11 @@ renders its events (:class:`WireSession`'s hooks).
   key (the handshake's, or, where the protocol allows it, the first message's within ``auth_timeout``).
 - **Deadlines**, in one loop: every timer of the session — idle, the open turn's text clock, the
   protocol's own (ElevenLabs' inactivity) — is a deadline of the receive wait; the nearest one fires.
+- **Clocks**: a message the session refuses (an error answers it) moves no clock; a keep-alive (a message
+  that asks for nothing, :meth:`WireSession.keepalive`) moves only the protocol's keep-alive clock
+  (:attr:`WireSession.quiet_since`, ElevenLabs' inactivity), never the idle clock nor the text clock; any
+  other message, and the end of a turn, moves the idle clock (:attr:`WireSession.active_since`). So a
+  socket that only sends keep-alives or refused messages is closed by the idle timeout all the same.
 - **Sends** are bounded by ``stall_timeout``: a client that does not take a message in time loses its
   stream (slot freed, ``mossrt_stalled_streams_total`` counted) and its socket.
 - **Teardown**, however the session ends: the sender stops, the stream's slot is freed, the socket count
@@ -87,7 +92,10 @@ class WireSession:
         self.turn: TurnAudio | None = None    # the open turn's audio (its encoder and meter)
         self._send_lock = asyncio.Lock()
         self._sender: asyncio.Task | None = None
-        self._quiet_since = time.monotonic()  # the last message, or the end of the last turn if later
+        now = time.monotonic()
+        self.active_since = now   # the idle clock: the last message that did something, or the last turn's end
+        self.quiet_since = now    # the keep-alive clock: the same, keep-alives too
+        self._verdict = "took"    # what the message being handled was: took | keepalive | refused
         self.closed = False
 
     # ------------------------------------------------------------------ the whole life
@@ -98,9 +106,14 @@ class WireSession:
         authorized, subprotocol = self.policy.websocket_credentials(self.ws.headers, self.ws.query_params)
         await self.ws.accept(subprotocol=subprotocol)
         self.metrics.sessions.inc()
+        claimed = False
         try:
             if not authorized:
                 await self.authenticate()
+            claimed = self.service.claim_session()      # idle sessions hold no slot: their number is bounded
+            if not claimed:
+                raise SessionEnd(ApiError("too_many_sessions", f"{self.service.settings.ws_max_sessions} WebSocket "
+                                                               "sessions are open on this server; retry later"))
             await self.open()
             await self._loop()
         except SessionEnd as e:
@@ -114,6 +127,8 @@ class WireSession:
             await self.end(ApiError("internal_error", f"internal error: {type(e).__name__}"))
         finally:
             self.metrics.sessions.dec()
+            if claimed:
+                self.service.release_session()
             if self._sender is not None:
                 self._sender.cancel()
             if self.conversation is not None:
@@ -139,14 +154,36 @@ class WireSession:
                 continue
             if message["type"] == "websocket.disconnect":
                 return
-            self._quiet_since = time.monotonic()
+            received = time.monotonic()
+            self._verdict = "took"
             await self.on_message(message)
+            self.clocks_after(self._verdict, received)
+
+    def clocks_after(self, verdict: str, received: float) -> None:
+        """Move the clocks for a message received at ``received``: a refused one moves none, a keep-alive
+        only the keep-alive clock, any other both."""
+        if verdict == "refused":
+            return
+        self.quiet_since = max(self.quiet_since, received)
+        if verdict == "took":
+            self.active_since = max(self.active_since, received)
+
+    def keepalive(self) -> None:
+        """The message being handled asks for nothing (an empty text delta): it moves only the keep-alive
+        clock."""
+        if self._verdict == "took":
+            self._verdict = "keepalive"
+
+    async def refuse(self, err: ApiError, **context) -> None:
+        """Answer the message being handled with a recoverable error: it moves no clock."""
+        self._verdict = "refused"
+        await self.error(err, **context)
 
     async def on_message(self, message: dict) -> None:
         try:
             data = json_frame(message, self.policy.max_message_bytes)
         except FrameRefused as e:
-            await self.error(e.error)
+            await self.refuse(e.error)
             return
         await self.on_data(data)
 
@@ -158,7 +195,7 @@ class WireSession:
             if due is not None:
                 candidates.append((due, "text"))
         if not self.busy():
-            candidates.append((self._quiet_since + self.policy.idle_timeout, "idle"))
+            candidates.append((self.active_since + self.policy.idle_timeout, "idle"))
         own = self.protocol_deadline(now)
         if own is not None:
             candidates.append(own)
@@ -169,8 +206,9 @@ class WireSession:
             due = self.conversation.text_deadline(now)
             if due is not None and due <= now:
                 await self.on_text_timeout()
-        elif what == "idle" and not self.busy() and now - self._quiet_since >= self.policy.idle_timeout:
-            raise SessionEnd(ApiError("idle_timeout", f"no message for {self.policy.idle_timeout:g} s"))
+        elif what == "idle" and not self.busy() and now - self.active_since >= self.policy.idle_timeout:
+            raise SessionEnd(ApiError("idle_timeout", f"no turn and no message that did something for "
+                                      f"{self.policy.idle_timeout:g} s (keep-alives and refused messages do not count)"))
         elif what not in ("poll", "text", "idle"):
             await self.on_protocol_deadline(what, now)
 
@@ -271,7 +309,8 @@ class WireSession:
             await self.on_failed(out.error)
         elif isinstance(out, Ended):
             self.conversation.turn_ended()
-            self._quiet_since = max(self._quiet_since, time.monotonic())   # idle counts from the turn's end
+            ended = time.monotonic()                 # idle counts from the turn's end
+            self.active_since, self.quiet_since = max(self.active_since, ended), max(self.quiet_since, ended)
             turn, self.turn = self.turn, None
             await self.on_ended(out, turn)
 

@@ -176,6 +176,17 @@ def check_manifests(c: Checker, docs: list[dict], v: dict, chart: dict) -> list[
     for e in env.values():
         c.ok(e["name"] != "MOSSRT_EXPORT_MODEL", "the server container must not export at start (init container does)")
 
+    # Wyoming (Home Assistant): its own container port, MOSSRT_WYOMING_URI, a Service port; all absent when off
+    wyoming = v["wyoming"]
+    want_port = [{"name": "wyoming", "containerPort": wyoming["port"], "protocol": "TCP"}] if wyoming["enabled"] else []
+    c.eq([p for p in ports if p.get("name") == "wyoming"], want_port, "container port wyoming")
+    c.eq(env_value(main, "MOSSRT_WYOMING_URI"),
+         f"tcp://{v['server']['host']}:{wyoming['port']}" if wyoming["enabled"] else None, "env MOSSRT_WYOMING_URI")
+    (svc,) = [d for d in by_kind(docs, "Service") if d["metadata"]["name"] == fullname]
+    want_svc = [{"name": "wyoming", "port": wyoming["port"], "targetPort": "wyoming", "protocol": "TCP"}] \
+        if wyoming["enabled"] else []
+    c.eq([p for p in svc["spec"]["ports"] if p.get("name") == "wyoming"], want_svc, "Service port wyoming")
+
     # probes
     def probe(kind: str, path: str) -> dict:
         p = main.get(kind)
@@ -411,7 +422,9 @@ def check_manifests(c: Checker, docs: list[dict], v: dict, chart: dict) -> list[
         trig = so["triggers"]
         c.eq([t["type"] for t in trig], ["prometheus"], "ScaledObject trigger types")
         md = trig[0]["metadata"]
-        c.ok("mossrt_active_streams" in md["query"], f"KEDA query lacks mossrt_active_streams: {md['query']}")
+        c.ok("mossrt_generating_streams" in md["query"] and "mossrt_queued_streams" in md["query"]
+             and "mossrt_active_streams" not in md["query"],
+             f"KEDA query is not on generating turns + waiting streams: {md['query']}")
         c.ok("mossrt_capacity_streams" in md["query"], f"KEDA query lacks mossrt_capacity_streams: {md['query']}")
         c.eq(md["serverAddress"], a["keda"]["serverAddress"], "KEDA serverAddress")
         c.eq(float(md["threshold"]), float(a["targetUtilization"]), "KEDA threshold")
@@ -427,7 +440,7 @@ def check_manifests(c: Checker, docs: list[dict], v: dict, chart: dict) -> list[
         hs = h["spec"]
         c.eq(hs["scaleTargetRef"]["name"], dep["metadata"]["name"], "HPA scaleTargetRef")
         pods_metrics = [m["pods"] for m in hs["metrics"] if m["type"] == "Pods"]
-        c.eq([m["metric"]["name"] for m in pods_metrics], ["mossrt_active_streams"], "HPA Pods metric")
+        c.eq([m["metric"]["name"] for m in pods_metrics], ["mossrt_generating_streams"], "HPA Pods metric")
         c.eq(pods_metrics[0]["target"], {"type": "AverageValue", "averageValue": str(a["hpa"]["targetAverageValue"])},
              "HPA Pods metric target")
         if a["hpa"].get("cpuAverageUtilization") is not None:
@@ -504,8 +517,8 @@ def check_manifests(c: Checker, docs: list[dict], v: dict, chart: dict) -> list[
 # What each ci values file is there to exercise: keeps the files from drifting away from their purpose.
 PURPOSE = {
     "default": {"gpu.enabled": False, "ingress.enabled": False, "httpRoute.enabled": False,
-                "autoscaling.enabled": False, "export.enabled": True},
-    "cpu-values": {"gpu.enabled": False, "server.device": ""},
+                "autoscaling.enabled": False, "export.enabled": True, "wyoming.enabled": False},
+    "cpu-values": {"gpu.enabled": False, "server.device": "", "wyoming.enabled": True},
     "gpu-values": {"gpu.enabled": True},
     "ingress-values": {"ingress.enabled": True, "ingress.nginx": True},
     "noingress-values": {"ingress.enabled": False, "httpRoute.enabled": False},

@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from app.elevenlabs.alignment import Aligner
+from app.word_timestamps import WordTimestamps
 
 from .espeak import TARGET_RATE, Speech
 
@@ -35,6 +36,7 @@ def read_chars(text: str):
 class Timed:
     starts_ms: list[float]        # per character of the text: its estimated start
     sent_ms: list[float]          # per character: when its message's audio ended (when a client had it)
+    spans: list[dict]             # the alignments as the route sends them (HTTP shape, seconds), in order
 
 
 def run(speech: Speech, clock: str = "speech", whole: bool = False) -> Timed:
@@ -42,23 +44,40 @@ def run(speech: Speech, clock: str = "speech", whole: bool = False) -> Timed:
     aligner = Aligner(clock)
     aligner.add(speech.text)
     read = read_chars(speech.text)
-    starts, sent = [], []
+    starts, sent, spans = [], [], []
     frames = [speech.audio[i:i + FRAME] for i in range(0, len(speech.audio), FRAME)]
     for k, audio in enumerate(frames):
         span = aligner.frame(read(k), audio)
         if span is not None:
             starts += span.starts_ms
             sent += [(k + 1) * 80.0] * len(span.chars)
+            spans.append(span.seconds())
     span = aligner.rest()
     if span is not None:
         starts += span.starts_ms
         sent += [len(frames) * 80.0] * len(span.chars)
+        spans.append(span.seconds())
     if whole:
         final = aligner.final()
         starts = final.starts_ms if final is not None else starts
         sent = [len(frames) * 80.0] * len(starts)
+        spans = [final.seconds()] if final is not None else spans
     assert len(starts) == len(speech.text), (len(starts), len(speech.text))
-    return Timed(starts, sent)
+    return Timed(starts, sent, spans)
+
+
+def captions(speech: Speech, timed: Timed) -> Timed:
+    """What ``/dev/captioned_speech`` answers for the same alignments: its words (app.word_timestamps), each
+    character placed at the start of its word (as the route says it), so a word's error is its caption's."""
+    words = WordTimestamps()
+    got = [w for span in timed.spans for w in words.add(span)] + words.finish()
+    starts, at = [], 0
+    for w in got:
+        begin = speech.text.index(w["word"], at)
+        starts += [starts[-1] if starts else 0.0] * (begin - at) + [w["start_time"] * 1000] * len(w["word"])
+        at = begin + len(w["word"])
+    starts += [starts[-1] if starts else 0.0] * (len(speech.text) - at)
+    return Timed(starts, timed.sent_ms, timed.spans)
 
 
 @dataclass(frozen=True)

@@ -19,9 +19,12 @@ import base64
 import hashlib
 import json
 import lzma
+import os
 import shutil
+import stat
 import subprocess
 import tarfile
+import tempfile
 import time
 import zipfile
 from dataclasses import dataclass
@@ -152,9 +155,49 @@ def read_manifest(parts_dir: Path) -> dict:
         manifest = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise PartsError(f"{path}: unreadable manifest: {e}") from None
-    if manifest.get("format") != FORMAT:
-        raise PartsError(f"{path}: manifest format {manifest.get('format')!r}, this script reads {FORMAT}")
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        found = manifest.get("format") if isinstance(manifest, dict) else manifest
+        raise PartsError(f"{path}: manifest format {found!r}, this script reads {FORMAT}")
+    check_manifest(manifest, path)
     return manifest
+
+
+def plain_name(name: object) -> bool:
+    """A file name and nothing else: no folder (``/``, ``\\``), not ``.`` / ``..``, no NUL, not empty."""
+    return (isinstance(name, str) and name not in ("", ".", "..") and not any(c in name for c in "/\\\0")
+            and name == name.strip())
+
+
+def check_manifest(manifest: dict, path: Path) -> None:
+    """Every name a plain file name in its folder (the archive's, each part's, each once), every size a count
+    and every hash a sha256; else a :class:`PartsError` naming the entry. Called before anything is written
+    or removed: a manifest is data from the other side of a transfer, never a path to follow."""
+    def bad(what: str) -> PartsError:
+        return PartsError(f"{path}: refused: {what}")
+
+    def sized(entry: object, what: str) -> dict:
+        if not isinstance(entry, dict):
+            raise bad(f"{what} is not an object")
+        if not plain_name(entry.get("name")):
+            raise bad(f"{what} name {entry.get('name')!r} is not a plain file name (no folder, no '..')")
+        if not isinstance(entry.get("bytes"), int) or isinstance(entry["bytes"], bool) or entry["bytes"] < 0:
+            raise bad(f"{what} {entry['name']!r}: bytes {entry.get('bytes')!r} is not a count")
+        digest = entry.get("sha256")
+        if not (isinstance(digest, str) and len(digest) == 64 and all(c in "0123456789abcdef" for c in digest)):
+            raise bad(f"{what} {entry['name']!r}: sha256 {digest!r} is not a sha256")
+        return entry
+
+    sized(manifest.get("archive"), "the archive")
+    parts = manifest.get("parts")
+    if not isinstance(parts, list) or not parts:
+        raise bad("no list of parts")
+    names = [sized(p, f"part {i + 1}")["name"] for i, p in enumerate(parts)]
+    twice = sorted({n for n in names if names.count(n) > 1} | ({MANIFEST} & set(names)))
+    if twice:
+        raise bad(f"part name {twice[0]!r} is named twice (or is the manifest)")
+    limit = manifest.get("part_limit_bytes")
+    if not isinstance(limit, int) or isinstance(limit, bool) or limit < 1:
+        raise bad(f"part_limit_bytes {limit!r} is not a count")
 
 
 @dataclass(frozen=True)
@@ -170,10 +213,18 @@ def check_parts(parts_dir: Path, manifest: dict, hashes: bool = True) -> list[Pa
     out, limit = [], manifest["part_limit_bytes"]
     for p in manifest["parts"]:
         path = parts_dir / p["name"]
-        if not path.is_file():
+        try:
+            st = os.lstat(path)             # the part itself: a symbolic link is not followed
+        except FileNotFoundError:
+            st = None
+        if st is None:
             state = "missing"
-        elif path.stat().st_size != p["bytes"]:
-            state = "short" if path.stat().st_size < p["bytes"] else "long"
+        elif stat.S_ISLNK(st.st_mode):
+            state = "a symbolic link"
+        elif not stat.S_ISREG(st.st_mode):
+            state = "not a regular file"
+        elif st.st_size != p["bytes"]:
+            state = "short" if st.st_size < p["bytes"] else "long"
         elif p["bytes"] > limit:
             state = "over the limit"
         elif hashes and sha256_file(path) != p["sha256"]:
@@ -195,10 +246,13 @@ def join(parts_dir: Path, dest: Path) -> dict:
                                    for s in bad))
     whole = hashlib.sha256()
     dest.mkdir(parents=True, exist_ok=True)
-    archive = dest / manifest["archive"]["name"]
-    with archive.open("wb") as out:
+    # the joined archive is a new file of our own in dest (created exclusively, never an existing name or a
+    # link the manifest points at): the only file this removes
+    fd, tmp_name = tempfile.mkstemp(dir=dest, prefix=".join-", suffix=".tar.xz")
+    archive = Path(tmp_name)
+    with os.fdopen(fd, "wb") as out:
         for p in manifest["parts"]:
-            with (parts_dir / p["name"]).open("rb") as f:
+            with open(parts_dir / p["name"], "rb", opener=_no_follow) as f:
                 for block in iter(lambda: f.read(1 << 22), b""):
                     whole.update(block)
                     out.write(block)
@@ -210,12 +264,17 @@ def join(parts_dir: Path, dest: Path) -> dict:
         with tarfile.open(archive, "r:xz") as tar:
             tar.extractall(dest, filter="data")
     except (tarfile.TarError, lzma.LZMAError, EOFError, OSError) as e:
-        raise PartsError(f"{archive.name} does not unpack: {e}") from None
+        raise PartsError(f"{manifest['archive']['name']} does not unpack: {e}") from None
     finally:
         archive.unlink(missing_ok=True)
     return {"archive_bytes": manifest["archive"]["bytes"], "parts": len(manifest["parts"]),
             "verify_s": round(verified - t0, 2), "unpack_s": round(time.monotonic() - verified, 2),
             "unpacked_bytes": sum(f.stat().st_size for f in dest.rglob("*") if f.is_file())}
+
+
+def _no_follow(path: str, flags: int) -> int:
+    """``open``'s opener: a part swapped for a symbolic link after the check is not followed."""
+    return os.open(path, flags | os.O_NOFOLLOW)
 
 
 def read_wheelhouse(directory: Path) -> dict:

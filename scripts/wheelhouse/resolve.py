@@ -38,6 +38,16 @@ except ImportError:                     # pragma: no cover - a pip without its v
     from packaging.requirements import Requirement
     from packaging.specifiers import SpecifierSet
 
+# pip 23.3 is the first to check Requires-Python against --python-version rather than the Python it runs in
+# (pypa/pip#12216, fixed by #12218): an older pip resolving for 3.12 from 3.11 refuses every package that needs
+# 3.12 ("requires a different Python", then ResolutionImpossible)
+MIN_PIP = (23, 3)
+# what pip prints that is not why it failed: its location-mismatch warnings (a distro Python's pip 23.x prints
+# dozens), deprecations and notices
+PIP_NOISE = re.compile(r"^(WARNING: |DEPRECATION: |\[notice\] |INFO: |(distutils|sysconfig): |(user|home|root|prefix) = )")
+# and what says why: a Python it needs, a conflict and what caused it, a requirement nothing satisfies
+PIP_CAUSE = re.compile(r"^ERROR|Requires-Python|requires a different python|conflict|depends on|user requested|"
+                       r"No matching distribution|Could not find a version|ResolutionImpossible", re.IGNORECASE)
 DEFAULT_PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64",
                      "manylinux2014_x86_64", "manylinux_2_5_x86_64", "manylinux1_x86_64")
 
@@ -151,11 +161,50 @@ def _version_of(python: str) -> str | None:
     return out.stdout.strip() if out.returncode == 0 else None
 
 
+def pip_version(python: str) -> tuple[int, ...] | None:
+    """The version of ``python -m pip`` (None: no pip there)."""
+    try:
+        out = subprocess.run([python, "-m", "pip", "--version"], capture_output=True, text=True, timeout=120)
+    except OSError:
+        return None
+    return parse_pip_version(out.stdout) if out.returncode == 0 else None
+
+
+def parse_pip_version(text: str) -> tuple[int, ...] | None:
+    """``pip 23.2.1 from /x/site-packages/pip (python 3.11)`` → ``(23, 2, 1)``."""
+    m = re.match(r"pip (\d+(?:\.\d+)*)", text.strip())
+    return tuple(int(x) for x in m.group(1).split(".")) if m else None
+
+
+def require_pip(python: str, version: tuple[int, ...] | None) -> None:
+    """Refuse, naming the pip needed and how to get it, a pip older than :data:`MIN_PIP`."""
+    need = ".".join(map(str, MIN_PIP))
+    if version is None:
+        raise ResolveError(f"{python} has no pip: the build needs pip {need} or later")
+    if version < MIN_PIP:
+        raise ResolveError(
+            f"pip {'.'.join(map(str, version))} of {python} is too old: the build needs pip {need} or later (older "
+            f"pips check Requires-Python against the Python they run in, not --python-version, and fail with "
+            f"ResolutionImpossible). Upgrade it: {python} -m pip install --upgrade 'pip>={need}' (a venv made by "
+            f"python3 -m venv brings the pip bundled with its Python), or pass --resolver-python a Python whose "
+            f"pip is {need} or later")
+
+
+def pip_failure_lines(output: str, limit: int = 30) -> list[str]:
+    """The lines of a failed pip's output that say why (module constants): its errors and the conflict's
+    causes, then its last lines, in pip's order, without its location warnings; at most ``limit``."""
+    lines = [line.rstrip() for line in output.splitlines() if line.strip() and not PIP_NOISE.match(line)]
+    causes = [i for i, line in enumerate(lines) if PIP_CAUSE.search(line)][-limit:]
+    last = list(range(max(0, len(lines) - 5), len(lines)))
+    keep = sorted(set(causes) | set(last))[-limit:]
+    return [lines[i] for i in keep]
+
+
 def run_pip(python: str, args: list[str], what: str) -> subprocess.CompletedProcess:
     proc = subprocess.run([python, "-m", "pip", *args], capture_output=True, text=True)
     if proc.returncode != 0:
-        tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-15:])
-        raise ResolveError(f"pip could not {what}:\n{tail}")
+        why = pip_failure_lines(f"{proc.stdout}\n{proc.stderr}")
+        raise ResolveError(f"pip could not {what}:\n" + "\n".join(why or ["(pip printed nothing but warnings)"]))
     return proc
 
 
@@ -165,6 +214,7 @@ def resolve(project: Path, extras: list[str], target: Target, host: dict[str, Ho
     """Resolve ``project[extras]`` + ``also`` + its build requirements for ``target`` against ``host``."""
     replace = {canonical(n) for n in replace}
     python = resolver_python(target.python_version, python)
+    require_pip(python, pip_version(python))
     top = [f"{project}[{','.join(extras)}]" if extras else str(project), *also, *build_requirements(project)]
     with tempfile.TemporaryDirectory(prefix="wheelhouse-resolve-") as tmp:
         constraints = Path(tmp) / "host-constraints.txt"

@@ -1,0 +1,135 @@
+"""Text normalization: what the model is given for a text as sent ("$10.50" -> "ten dollars and fifty cents"),
+with the map back from the model's text to the sent one, so that alignment and captions keep the text as sent.
+
+Opt-in: a request's ``normalization_options`` (Kokoro-FastAPI's field and switches), else the server's default
+(``MOSSRT_NORMALIZE_TEXT``). Each rule (:mod:`.rules`) claims the matches no earlier rule claimed, and says each
+in the language around it (Mandarin where the nearest letter is a Han character, English otherwise).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+from pydantic import BaseModel, ConfigDict, StrictBool
+
+from .languages import LANGUAGES
+from .rules import RULES, Rule
+
+log = logging.getLogger("mossrt.app")
+
+
+class Switches(BaseModel):
+    """Kokoro-FastAPI's ``NormalizationOptions`` (a request's ``normalization_options``), with its defaults:
+    ``normalize`` turns every rule on or off, the others one rule each. Unknown keys are ignored, as Kokoro's."""
+
+    model_config = ConfigDict(frozen=True, extra="ignore")
+
+    normalize: StrictBool = True
+    unit_normalization: StrictBool = False
+    url_normalization: StrictBool = True
+    email_normalization: StrictBool = True
+    optional_pluralization_normalization: StrictBool = True
+    phone_normalization: StrictBool = True
+    replace_remaining_symbols: StrictBool = True
+
+    def enabled(self, rule: Rule) -> bool:
+        return self.normalize and (rule.switch is None or getattr(self, rule.switch))
+
+
+OFF = Switches(normalize=False)
+
+
+@dataclass(frozen=True)
+class Segment:
+    """``sent[sent_start:sent_end]`` is read as ``spoken[spoken_start:spoken_end]``."""
+
+    sent_start: int
+    sent_end: int
+    spoken_start: int
+    spoken_end: int
+    rule: str
+
+
+@dataclass(frozen=True)
+class Normalized:
+    """A text as sent and as the model reads it; outside ``segments`` the two are the same, character for
+    character."""
+
+    sent: str
+    spoken: str
+    segments: tuple[Segment, ...] = field(default=())
+
+    @property
+    def changed(self) -> bool:
+        return bool(self.segments)
+
+
+def _is_han(ch: str) -> bool:
+    return "\u4e00" <= ch <= "\u9fff" or "\u3400" <= ch <= "\u4dbf" or "\uf900" <= ch <= "\ufaff"
+
+
+LANGUAGE_WINDOW = 64               # characters looked at on each side of a match for its language
+
+
+def language_at(text: str, start: int, end: int) -> str:
+    """The language a match is said in: that of the nearest letter before it, else after it, within
+    LANGUAGE_WINDOW characters (Mandarin for a Han character), else English."""
+    for ch in (*reversed(text[max(0, start - LANGUAGE_WINDOW):start]), *text[end:end + LANGUAGE_WINDOW]):
+        if ch.isalpha():
+            return "zh" if _is_han(ch) else "en"
+    return "en"
+
+
+def normalize(text: str, switches: Switches = Switches()) -> Normalized:
+    """``text`` as the model should read it, and where each change came from."""
+    if not switches.normalize:
+        return Normalized(text, text)
+    claimed: list[tuple[int, int, str, str]] = []          # (start, end, spoken, rule) in the sent text
+    taken = [False] * len(text)
+    for rule in RULES:
+        if not switches.enabled(rule):
+            continue
+        for lang_code in ("en", "zh"):
+            for start, end, match in rule.find(text, lang_code):
+                if start >= end or any(taken[start:end]) or language_at(text, start, end) != lang_code:
+                    continue
+                try:
+                    said = rule.say(match, LANGUAGES[lang_code])
+                except Exception:  # noqa: BLE001 - a library that cannot say a match: it is read as sent
+                    log.warning("normalization rule %s failed on %r; left as sent", rule.name, text[start:end],
+                                exc_info=True)
+                    continue
+                if not said or said == text[start:end]:
+                    continue
+                claimed.append((start, end, _padded(text, start, end, said) if rule.pad else said, rule.name))
+                taken[start:end] = [True] * (end - start)
+    claimed.sort()
+    parts, segments, at, spoken_len = [], [], 0, 0
+    for start, end, said, rule in claimed:
+        parts.append(text[at:start])
+        spoken_len += start - at
+        segments.append(Segment(start, end, spoken_len, spoken_len + len(said), rule))
+        parts.append(said)
+        spoken_len += len(said)
+        at = end
+    parts.append(text[at:])
+    return Normalized(text, "".join(parts), tuple(segments))
+
+
+def warm() -> None:
+    """Load what the rules use (pint's registry, phonenumbers' metadata, ...) now rather than in a request."""
+    from .examples import EXAMPLES
+
+    for ex in EXAMPLES:
+        normalize(ex.sent, Switches(unit_normalization=True))
+
+
+def _padded(text: str, start: int, end: int, said: str) -> str:
+    """A space between what is said and a letter or digit of the text it would run into ("5km" is one match,
+    but "A&B" -> "A and B")."""
+    if start > 0 and text[start - 1].isascii() and text[start - 1].isalnum() and said[0].isascii() and said[0].isalnum():
+        said = " " + said
+    if end < len(text) and text[end].isascii() and text[end].isalnum() and said[-1].isascii() and said[-1].isalnum():
+        said += " "
+    return said

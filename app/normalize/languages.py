@@ -1,0 +1,171 @@
+"""How each language says what the rules find: English on ``inflect`` (cardinals, ordinals, plurals) and
+``pint`` (unit names), Mandarin on ``cn2an``. Only what no library holds is written here: a few symbol and
+currency names, and how English reads a year."""
+
+from __future__ import annotations
+
+import calendar
+import functools
+
+import cn2an
+
+# the currency and its hundredth, singular and plural
+_EN_CURRENCY = {"$": (("dollar", "dollars"), ("cent", "cents")), "€": (("euro", "euros"), ("cent", "cents")),
+                "£": (("pound", "pounds"), ("penny", "pence")), "¥": (("yen", "yen"), ("sen", "sen"))}
+_ZH_CURRENCY = {"$": "美元", "€": "欧元", "£": "英镑", "¥": "元"}
+LONGEST_NUMBER = 15             # digits of a whole number said as a number; a longer one is read digit by digit
+
+
+def _too_long(digits: str) -> bool:
+    whole, _, decimals = digits.replace(",", "").lstrip("-").partition(".")
+    return len(whole) > LONGEST_NUMBER or len(decimals) > LONGEST_NUMBER
+
+
+def _digit_by_digit(lang, digits: str) -> str:
+    """A number too long to say as one: its digits, the point and a minus sign by name."""
+    words = [lang.minus if ch == "-" else lang.point if ch == "." else lang.digits(ch)
+             for ch in digits.replace(",", "")]
+    return lang.space.join(words)
+
+
+@functools.lru_cache(maxsize=1)
+def _units():
+    import pint                       # its registry takes ~0.3 s to load: only when a unit is read
+
+    return pint.UnitRegistry()
+
+
+@functools.lru_cache(maxsize=1)
+def _inflect():
+    import inflect
+
+    return inflect.engine()
+
+
+def unit_name(symbol: str) -> str | None:
+    """pint's name of a unit symbol (``km`` -> ``kilometer``, ``km/h`` -> ``kilometer / hour``), or None."""
+    import pint
+
+    for candidate in (symbol, symbol[0].lower() + symbol[1:]):          # KB is pint's kB
+        try:
+            units = _units().parse_units(candidate)
+        except (pint.errors.PintError, ValueError, TypeError, AttributeError, KeyError):
+            continue
+        if str(units):
+            return str(units)
+    return None
+
+
+class English:
+    code = "en"
+    space = " "
+    minus, point = "minus", "point"
+    symbols = {".": "dot", "@": "at", "/": "slash", "-": "dash", "_": "underscore", ":": "colon", "?": "question mark",
+               "=": "equals", "&": "and", "+": "plus", "#": "hash", "~": "tilde", "%": "percent"}
+
+    def number(self, digits: str) -> str:
+        """A plain number (``-1,234.5``): inflect's words, its decimals digit by digit."""
+        if _too_long(digits):
+            return _digit_by_digit(self, digits)
+        return _inflect().number_to_words(digits.replace(",", "")).replace(",", "")
+
+    def digits(self, digits: str) -> str:
+        return " ".join(self.number(d) for d in digits)
+
+    def ordinal(self, digits: str) -> str:
+        return _inflect().ordinal(self.number(digits))
+
+    def year(self, digits: str) -> str:
+        """As a year is read: 1999 nineteen ninety-nine, 2008 two thousand eight, 1900 nineteen hundred."""
+        year = int(digits)
+        high, low = divmod(year, 100)
+        if year < 1000 or 2000 <= year < 2010 or high % 10 == 0 and low == 0:
+            return self.number(digits)
+        if low == 0:
+            return f"{self.number(str(high))} hundred"
+        return f"{self.number(str(high))} {'oh ' if low < 10 else ''}{self.number(str(low))}"
+
+    def percent(self, digits: str) -> str:
+        return f"{self.number(digits)} percent"
+
+    def currency(self, symbol: str, whole: str, cents: str | None, scale: str | None) -> str:
+        (one, many), (cent_one, cent_many) = _EN_CURRENCY[symbol]
+        if scale or (cents and len(cents) != 2):           # $5.5 million, $1.234: the amount, then the currency
+            amount = whole + (f".{cents}" if cents else "")
+            return f"{self.number(amount)}{' ' + scale if scale else ''} {many}"
+        value = int(whole.replace(",", ""))
+        said = f"{self.number(whole)} {one if value == 1 else many}"
+        if cents and int(cents):
+            said += f" and {self.number(str(int(cents)))} {cent_one if int(cents) == 1 else cent_many}"
+        return said
+
+    def time(self, hour: int, minute: int, second: int | None, meridiem: str | None) -> str:
+        said = self.number(str(hour))
+        if minute == 0 and second is None:
+            said += " o'clock" if meridiem is None and hour <= 12 else ("" if meridiem else " hundred")
+        elif minute < 10:
+            said += f" oh {self.number(str(minute))}"
+        else:
+            said += f" {self.number(str(minute))}"
+        if second is not None:
+            said += f" and {self.number(str(second))} second{'s' if second != 1 else ''}"
+        return said + (f" {meridiem[0].lower()} m" if meridiem else "")
+
+    def date(self, year: int, month: int, day: int) -> str:
+        return f"{calendar.month_name[month]} {self.ordinal(str(day))}, {self.year(str(year))}"
+
+    def unit(self, amount: str, name: str) -> str:
+        """``5`` ``kilometer / hour`` -> five kilometers per hour (the word before "per" takes the plural)."""
+        words = name.replace(" / ", " per ").replace("_", " ").replace(" * ", " ").split()
+        if amount not in ("1", "1.0"):
+            at = words.index("per") - 1 if "per" in words else (0 if words[0] == "degree" else len(words) - 1)
+            words[at] = _inflect().plural(words[at])
+        return f"{self.number(amount)} {' '.join(words)}"
+
+
+class Mandarin:
+    code = "zh"
+    space = ""
+    minus, point = "负", "点"
+    symbols = {".": "点", "@": "艾特", "/": "斜杠", "-": "杠", "_": "下划线", ":": "冒号", "?": "问号", "=": "等于",
+               "&": "和", "+": "加", "#": "井号", "~": "波浪号", "%": "百分号"}
+
+    def number(self, digits: str) -> str:
+        if _too_long(digits):
+            return _digit_by_digit(self, digits)
+        return cn2an.an2cn(digits.replace(",", ""))
+
+    def digits(self, digits: str) -> str:
+        return cn2an.an2cn(digits, "direct")
+
+    def ordinal(self, digits: str) -> str:
+        return "第" + self.number(digits)
+
+    def year(self, digits: str) -> str:
+        return self.digits(digits)
+
+    def percent(self, digits: str) -> str:
+        return "百分之" + self.number(digits)
+
+    def currency(self, symbol: str, whole: str, cents: str | None, scale: str | None) -> str:
+        amount = self.number(whole + (f".{cents}" if cents else ""))
+        scale_zh = {"thousand": "千", "million": "百万", "billion": "十亿", "trillion": "万亿"}.get(scale or "", "")
+        return f"{amount}{scale_zh}{_ZH_CURRENCY[symbol]}"
+
+    def time(self, hour: int, minute: int, second: int | None, meridiem: str | None) -> str:
+        prefix = {"a": "上午", "p": "下午"}.get((meridiem or " ")[0].lower(), "")
+        said = f"{prefix}{self.number(str(hour))}点"
+        if minute:
+            said += f"{'零' if minute < 10 else ''}{self.number(str(minute))}分"
+        if second is not None:
+            said += f"{self.number(str(second))}秒"
+        return said
+
+    def date(self, year: int, month: int, day: int) -> str:
+        return f"{self.year(str(year))}年{self.number(str(month))}月{self.number(str(day))}日"
+
+    def unit(self, amount: str, name: str) -> str | None:
+        return None                       # no Mandarin unit names yet: the symbol is left as sent
+
+
+LANGUAGES = {"en": English(), "zh": Mandarin()}

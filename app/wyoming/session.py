@@ -1,0 +1,378 @@
+"""One Wyoming connection, held to every bound of a client session (:class:`~app.session.policy.SessionPolicy`).
+
+- ``describe`` → ``info``; ``ping`` → ``pong``.
+- ``synthesize`` (one text) is one utterance, checked once like an HTTP request (``prepare_utterance``: the
+  text limit, the stream's context and frame limit), then ``audio-start``, ``audio-chunk``s (s16le, 24 kHz,
+  mono) as frames are generated, ``audio-stop``.
+- ``synthesize-start`` opens a :class:`~app.session.conversation.Conversation`'s turn (the queue timeout),
+  each ``synthesize-chunk`` is pushed into it as it arrives (the text buffer bound), ``synthesize-stop`` ends its
+  text; the audio goes out meanwhile, then ``audio-stop`` and ``synthesize-stopped``. The ``synthesize`` a
+  streaming client sends for backward compatibility (the whole text again) is not spoken twice.
+- Deadlines of the receive wait: the open turn's text clock (no text it can speak for ``text_timeout``: its
+  text is ended and it speaks what it has) and the idle timeout (no synthesis running and no event).
+- A connection is a session of ``--ws-max-sessions`` (WebSocket and Wyoming ones together).
+- Every write is bounded by ``stall_timeout``: a client that does not read loses its stream (counted) and its
+  connection.
+- A refusal or failure is an ``error`` event (``text``, ``code`` of the catalogue), then the connection closes,
+  as Wyoming's own servers do (Home Assistant reports the synthesis failed). The protocol has no
+  authentication: the listener is opt-in (``--wyoming-uri``).
+
+One synthesis runs at a time; each has its own stream, whose slot is freed when its audio ended.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import time
+
+from starlette.concurrency import run_in_threadpool
+from wyoming.audio import AudioChunk, AudioStart, AudioStop
+from wyoming.error import Error
+from wyoming.event import Event, async_write_event
+from wyoming.info import Describe
+from wyoming.ping import Ping, Pong
+from wyoming.server import AsyncEventHandler
+from wyoming.tts import Synthesize, SynthesizeChunk, SynthesizeStart, SynthesizeStop, SynthesizeStopped
+
+from engine.errors import EngineError
+from engine.handles import AsyncSink, StreamHandle
+
+from ..audio_formats import StreamEncoder
+from ..errors import ApiError, from_engine
+from ..metrics import StreamMeter
+from ..protocol_bounds import SEND_BUFFER_BYTES
+from ..service import SamplingFields
+from ..session.conversation import Conversation
+from ..session.pump import Audio, Ended, Failed, TurnAudio, pump
+from ..session.utterance import prepare_utterance
+from ..session.wire import CLOSE_BOUND_S, TEXT_POLL_S, ClientStalled, FrameRefused, SessionEnd
+from .events import read_event
+from .info import describe
+
+log = logging.getLogger("mossrt.wyoming")
+REQUESTS = {"describe", "synthesize", "synthesize-start", "synthesize-chunk", "synthesize-stop"}   # the idle clock's
+PROTOCOL = "wyoming"          # the transport label of the meter and of mossrt_stalled_streams_total
+ENDPOINT = "wyoming"          # mossrt_requests_total's endpoint: one per synthesis
+
+
+class Synthesis:
+    """The running synthesis: its stream, its audio, and (streaming) its conversation."""
+
+    def __init__(self, handle: StreamHandle, turn: TurnAudio, conversation: Conversation | None = None):
+        self.handle, self.turn, self.conversation = handle, turn, conversation
+        self.stop_received = False           # streaming: synthesize-stop arrived
+        self.audio_ended = False             # audio-stop was sent
+        self.task: asyncio.Task | None = None
+
+    @property
+    def streaming(self) -> bool:
+        return self.conversation is not None
+
+    def close(self) -> None:
+        if self.conversation is not None:
+            self.conversation.close()
+        self.handle.close()
+        self.turn.close()
+
+
+def _parsed(kind, event: Event):
+    """The package's parse of ``event`` (``Synthesize``, ...); ``invalid_message`` when its data is not of the
+    protocol's shape (a missing ``text``, a ``voice`` that is not an object)."""
+    try:
+        parsed = kind.from_event(event)
+    except (KeyError, TypeError, AttributeError, ValueError):
+        raise ApiError("invalid_message", f"{event.type}: its data is not of the protocol's shape") from None
+    voice = getattr(parsed, "voice", None)
+    if voice is not None and voice.name is not None and not isinstance(voice.name, str):
+        raise ApiError("invalid_message", f"{event.type}: voice.name is a string")
+    if not isinstance(getattr(parsed, "text", ""), str):
+        raise ApiError("invalid_message", f"{event.type}: text is a string")
+    return parsed
+
+
+class WyomingSession(AsyncEventHandler):
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, service, metrics, version: str):
+        super().__init__(reader, writer)
+        self.service, self.metrics, self.version = service, metrics, version
+        self.policy = service.policy
+        self.synthesis: Synthesis | None = None
+        self.syntheses = 0
+        self._write_lock = asyncio.Lock()
+        self._quiet_since = time.monotonic()
+        self._reading: asyncio.Future | None = None
+        self.closed = False
+
+    # ------------------------------------------------------------------ the whole life
+    async def run(self) -> None:
+        sock = self.writer.get_extra_info("socket")
+        if sock is not None:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER_BYTES)   # as HTTP's: stalls show
+        claimed = False
+        try:
+            claimed = self.service.claim_session()      # counted with the WebSocket sessions (--ws-max-sessions)
+            if not claimed:
+                raise SessionEnd(ApiError("too_many_sessions", f"{self.service.settings.ws_max_sessions} sessions "
+                                                               "are open on this server; retry later"))
+            await self._loop()
+        except SessionEnd as e:
+            await self._end(e.error)
+        except ClientStalled:
+            self._stalled()
+        except (ConnectionError, asyncio.IncompleteReadError):
+            pass
+        except Exception as e:  # noqa: BLE001 - one connection's bug never takes the server down
+            log.exception("wyoming session failed")
+            await self._end(ApiError("internal_error", f"internal error: {type(e).__name__}"))
+        finally:
+            if claimed:
+                self.service.release_session()
+            if self._reading is not None:
+                self._reading.cancel()
+            if self.synthesis is not None:
+                if self.synthesis.task is not None and self.synthesis.task is not asyncio.current_task():
+                    self.synthesis.task.cancel()
+                self.synthesis.close()
+            if not self.closed:
+                self._abort(graceful=True)
+
+    async def _loop(self) -> None:
+        while not self.closed:
+            if self._reading is None:        # one read at a time, never cancelled half-way through an event
+                self._reading = asyncio.ensure_future(read_event(self.reader, self.policy.max_message_bytes))
+            now = time.monotonic()
+            deadline, what = self._next_deadline(now)
+            done, _ = await asyncio.wait({self._reading}, timeout=None if deadline is None else max(0.0, deadline - now))
+            if self.closed:
+                return
+            if not done:
+                self._on_deadline(what, time.monotonic())
+                continue
+            reading, self._reading = self._reading, None
+            try:
+                event = reading.result()
+            except FrameRefused as e:
+                raise SessionEnd(e.error) from None
+            if event is None:
+                return
+            if event.type in REQUESTS:       # a ping, or an event the protocol has and we ignore, moves no clock
+                self._quiet_since = time.monotonic()
+            await self.handle_event(event)
+
+    def busy(self) -> bool:
+        """A synthesis's audio is still going out: the connection is not idle (its client listens)."""
+        return self.synthesis is not None and not self.synthesis.audio_ended
+
+    def _next_deadline(self, now: float) -> tuple[float | None, str]:
+        s = self.synthesis
+        if not self.busy():
+            return self._quiet_since + self.policy.idle_timeout, "idle"
+        if s.conversation is not None and s.conversation.turn_open:
+            due = s.conversation.text_deadline(now)
+            return min((now + TEXT_POLL_S, "poll"), (due, "text")) if due is not None else (now + TEXT_POLL_S, "poll")
+        return None, ""
+
+    def _on_deadline(self, what: str, now: float) -> None:
+        s = self.synthesis
+        if what == "idle" and not self.busy() and now - self._quiet_since >= self.policy.idle_timeout:
+            raise SessionEnd(ApiError("idle_timeout", f"no event for {self.policy.idle_timeout:g} s"))
+        if what == "text" and s is not None and s.conversation is not None:
+            due = s.conversation.text_deadline(now)
+            if due is not None and due <= now:
+                log.info("wyoming: no text for %g s while the turn waited for it; its text was ended",
+                         self.policy.text_timeout)
+                s.conversation.end_text()
+
+    # ------------------------------------------------------------------ events
+    async def handle_event(self, event: Event) -> bool:
+        try:
+            if Describe.is_type(event.type):
+                info = await run_in_threadpool(describe, self.service, self.version)
+                await self.write_event(info.event())
+            elif Ping.is_type(event.type):
+                await self.write_event(Pong(text=_parsed(Ping, event).text).event())
+            elif Synthesize.is_type(event.type):
+                msg = _parsed(Synthesize, event)
+                if self.synthesis is None or not self.synthesis.streaming:   # else a streaming client's copy
+                    await self._synthesize(msg)
+            elif SynthesizeStart.is_type(event.type):
+                await self._start(_parsed(SynthesizeStart, event))
+            elif SynthesizeChunk.is_type(event.type):
+                self._chunk(_parsed(SynthesizeChunk, event).text)
+            elif SynthesizeStop.is_type(event.type):
+                await self._stop()
+            else:
+                log.debug("wyoming: ignored a %r event", event.type)
+        except (ApiError, EngineError) as e:
+            err = from_engine(e)
+            self.metrics.requests.labels(ENDPOINT, str(err.status)).inc()
+            raise SessionEnd(err) from None
+        return True
+
+    def _voice_key(self, voice) -> str | None:
+        return voice.name if voice is not None else None
+
+    def _begin(self) -> None:
+        """A new synthesis may start: none runs, the connection's turn limit is not reached, the service is
+        ready."""
+        if self.synthesis is not None:
+            raise ApiError("turn_in_progress", "a synthesis is running on this connection: wait for its audio-stop")
+        if self.syntheses >= self.policy.max_turns:
+            raise ApiError("max_turns", f"this connection reached its {self.policy.max_turns} syntheses")
+        self.service.require_ready()
+        self.syntheses += 1
+
+    def _turn_audio(self) -> TurnAudio:
+        rate = self.service.model.codec.sample_rate
+        return TurnAudio(StreamMeter(self.metrics, PROTOCOL), make_encoder=lambda: StreamEncoder("pcm", rate))
+
+    async def _synthesize(self, msg: Synthesize) -> None:
+        arrived = time.monotonic()
+        self._begin()
+        voice = await run_in_threadpool(self.service.resolve_voice, self._voice_key(msg.voice))
+        utterance = prepare_utterance(self.service, msg.text, voice, SamplingFields(), param="text")
+        turn = self._turn_audio()
+        try:
+            handle = await utterance.start(self.service, AsyncSink(), arrived=arrived)
+        except BaseException:
+            turn.close()
+            raise
+        self._run(Synthesis(handle, turn))
+
+    async def _start(self, msg: SynthesizeStart) -> None:
+        self._begin()
+        voice = await run_in_threadpool(self.service.resolve_voice, self._voice_key(msg.voice))
+        conversation = Conversation(self.service, self.policy, voice, None)
+        turn = self._turn_audio()
+        try:
+            await conversation.begin_turn(self.service.sampling(SamplingFields()))
+        except BaseException:
+            conversation.close()
+            turn.close()
+            raise
+        self._run(Synthesis(conversation.handle, turn, conversation))
+
+    def _chunk(self, text: str) -> None:
+        s = self.synthesis
+        if s is None or not s.streaming or s.stop_received:
+            raise ApiError("no_turn", "synthesize-chunk goes between synthesize-start and synthesize-stop")
+        Conversation.check_text(text)
+        s.conversation.check_takes_text()
+        s.conversation.check_buffer(len(text))
+        s.conversation.push_text(text)
+
+    async def _stop(self) -> None:
+        s = self.synthesis
+        if s is None or not s.streaming or s.stop_received:
+            raise ApiError("no_turn", "synthesize-stop without a synthesize-start")
+        s.stop_received = True
+        s.conversation.end_text()
+        if s.audio_ended:                    # its text was ended for it earlier and its audio is out
+            await self._finished(s)
+
+    # ------------------------------------------------------------------ the audio
+    def _run(self, s: Synthesis) -> None:
+        self.synthesis = s
+        s.task = asyncio.create_task(self._speak(s))
+
+    async def _speak(self, s: Synthesis) -> None:
+        """The synthesis's audio as it is generated; then it is closed (its slot freed)."""
+        rate = self.service.model.codec.sample_rate
+        fmt = {"rate": rate, "width": 2, "channels": 1}
+        started = False
+        status = "client_disconnected"
+        try:
+            async for out in pump(s.handle, s.turn):
+                if isinstance(out, Audio):
+                    if not started:
+                        await self.write_event(AudioStart(**fmt).event())
+                        started = True
+                    if out.data:
+                        await self.write_event(AudioChunk(audio=out.data, **fmt).event())
+                elif isinstance(out, Failed):
+                    status = str(out.error.status)
+                    await self._end(out.error)
+                    return
+                elif isinstance(out, Ended):
+                    if not started:
+                        await self.write_event(AudioStart(**fmt).event())
+                    if out.tail:
+                        await self.write_event(AudioChunk(audio=out.tail, **fmt).event())
+                    await self.write_event(AudioStop().event())
+                    status = "200" if out.stats.finish_reason.value != "error" else "500"
+            s.audio_ended = True
+            if s.conversation is not None:
+                s.conversation.turn_ended()
+            s.close()                                        # the slot is free before the client's next event
+            if not s.streaming or s.stop_received:
+                await self._finished(s)
+        except ClientStalled:
+            status = "client_stalled"
+            self._stalled()
+        except (ConnectionError, asyncio.CancelledError):
+            pass                                             # the client left, or the connection was closed
+        except Exception as e:  # noqa: BLE001 - one synthesis's bug never takes the server down
+            log.exception("wyoming synthesis failed")
+            status = "500"
+            await self._end(ApiError("internal_error", f"internal error: {type(e).__name__}"))
+        finally:
+            s.close()
+            self.metrics.requests.labels(ENDPOINT, status).inc()
+
+    async def _finished(self, s: Synthesis) -> None:
+        """The synthesis is over: a streaming one says so; the connection may start the next one."""
+        if s.streaming:
+            await self.write_event(SynthesizeStopped().event())
+        if self.synthesis is s:
+            self.synthesis = None
+            self._quiet_since = max(self._quiet_since, time.monotonic())   # idle counts from its end
+
+    # ------------------------------------------------------------------ writing
+    async def write_event(self, event: Event) -> None:
+        """One event to the client; one it does not take within the stall timeout ends the connection."""
+        async with self._write_lock:
+            if self.closed:
+                raise ConnectionResetError("the connection is closed")
+            try:
+                await asyncio.wait_for(async_write_event(event, self.writer), self.policy.stall_timeout)
+            except asyncio.TimeoutError:
+                raise ClientStalled from None
+
+    async def _end(self, err: ApiError) -> None:
+        """The error event, then the connection closes (quietly if the client is already gone)."""
+        if self.closed:
+            return
+        log.info("wyoming: %s (%s); closing the connection", err.message, err.code)
+        try:
+            await asyncio.wait_for(async_write_event(Error(text=err.message, code=err.code).event(), self.writer),
+                                   min(self.policy.stall_timeout, CLOSE_BOUND_S))
+        except (asyncio.TimeoutError, ConnectionError):
+            self._abort()
+            return
+        self._abort(graceful=True)
+
+    def _stalled(self) -> None:
+        if self.closed:
+            return
+        self.metrics.stalled.labels(PROTOCOL).inc()
+        log.warning("wyoming session ended: the client took no audio for %g s", self.policy.stall_timeout)
+        if self.synthesis is not None:
+            self.synthesis.close()
+        self._abort()
+
+    def _abort(self, graceful: bool = False) -> None:
+        """Close the connection: after what was written (``graceful``), or at once (a client that reads
+        nothing cannot take the rest)."""
+        self.closed = True
+        transport = self.writer.transport
+        if graceful and transport.can_write_eof() and not transport.is_closing():
+            # a half-close once what is buffered is sent: the client reads the error, then the end; events it
+            # still sends are taken in meanwhile (closing with them unread would reset the connection, and the
+            # client could lose the error), until it closes too or the bound passes
+            transport.write_eof()
+            asyncio.get_running_loop().call_later(CLOSE_BOUND_S, transport.abort)
+        else:
+            transport.abort()
+        if self._reading is not None and self._reading is not asyncio.current_task():
+            self._reading.cancel()           # the receive loop sees ``closed`` and ends
