@@ -98,8 +98,8 @@ CATALOGUE: dict[str, Row] = {
     **_rows(405, BAD, "UNIMPLEMENTED", method_not_allowed="the route does not take that method"),
     **_rows(408, BAD, "DEADLINE_EXCEEDED",
             request_timeout="the body did not arrive within --body-timeout",
-            idle_timeout="a socket with no turn running sent nothing that did something (keep-alives and refused "
-                         "messages do not count) for --ws-idle-timeout: closed",
+            idle_timeout="a socket with no turn running sent no message (refused ones do not count; keep-alives "
+                         "do) for --ws-idle-timeout: closed",
             input_timeout_exceeded="ElevenLabs: no message (keep-alives count, refused ones do not) for the "
                                    "socket's inactivity_timeout: closed",
             auth_timeout="ElevenLabs: a socket without a key in its handshake sent none within "

@@ -118,8 +118,8 @@ class ServerSettings(BaseSettings):
                               ge=1, le=1_000_000)
     voices_dir: Path = setting(_default_voices_dir(), "where registered voices are stored", metavar="DIR")
     # WebSocket sessions (ours and the ElevenLabs-compatible ones)
-    ws_idle_timeout: float = setting(60.0, "seconds a socket with no turn running may go without a message that "
-                                           "does something (keep-alives and refused messages do not count), then "
+    ws_idle_timeout: float = setting(60.0, "seconds a socket with no turn running may go without a message "
+                                           "(keep-alives count, refused messages do not), then "
                                            "it is closed (an ElevenLabs inactivity_timeout above it is cut to it)",
                                      gt=0, le=3600.0)
     ws_text_timeout: float = setting(30.0, "seconds an open turn waits for more text while it has nothing to "

@@ -1,6 +1,8 @@
 """Keep-alives keep a socket, never a turn: an empty ``input.text`` on our WebSocket, and ElevenLabs' ``{"text":
-""}`` / ``{"text": " "}`` keep-alives, open no turn and do not hold the socket past the idle timeout (issue 29,
-measurement 2). Every wait is on an event (a message, the close frame), bounded only so that a failure ends."""
+""}`` / ``{"text": " "}`` keep-alives, open no turn (so no text timeout, no audio, no slot held by a turn) and
+move only the socket's clocks: the socket stays open while they come, and closes on its idle timeout once they
+stop (issue 29, measurement 2 and item 3). Waits are on events (a message, the close frame); the one span of
+time is a lower bound (the keep-alives outlast the idle timeout twice), which load cannot break."""
 
 from __future__ import annotations
 
@@ -11,8 +13,9 @@ import pytest
 
 from service_helpers import Server
 
-TEXT_S, IDLE_S = 4, 10
-BOUND_S = 4 * IDLE_S + 60          # only so a failure ends: the server closes far sooner when it works
+TEXT_S, IDLE_S = 4, 6
+HOLD_S = 2 * IDLE_S                # keep-alives for twice the idle timeout (and three text timeouts)
+BOUND_S = HOLD_S + 4 * IDLE_S + 60  # only so a failure ends: the server closes far sooner when it works
 
 
 @pytest.fixture(scope="module")
@@ -27,6 +30,28 @@ async def _tick(w, message: dict, every: float = 1.0) -> None:
     while True:
         await w.send(json.dumps(message))
         await asyncio.sleep(every)
+
+
+async def _hold(w, messages: list[dict]) -> list:
+    """Send each keep-alive every second for ``HOLD_S``; whatever the server sends meanwhile (nothing, when
+    keep-alives keep the socket and open no turn), the close included."""
+    import websockets
+
+    tickers = [asyncio.create_task(_tick(w, m)) for m in messages]
+    seen: list = []
+    try:
+        async with asyncio.timeout(HOLD_S):
+            while True:
+                raw = await w.recv()
+                seen.append(json.loads(raw) if isinstance(raw, str) else raw)
+    except TimeoutError:
+        pass
+    except websockets.ConnectionClosed as e:
+        seen.append(("closed", e.rcvd.code if e.rcvd is not None else None))
+    finally:
+        for t in tickers:
+            t.cancel()
+    return seen
 
 
 async def _until_closed(w, stop=lambda m: False) -> tuple[list, int | None]:
@@ -45,10 +70,10 @@ async def _until_closed(w, stop=lambda m: False) -> tuple[list, int | None]:
             return seen, None
 
 
-def test_empty_text_every_second_opens_no_turn_and_the_idle_timeout_closes_the_socket(server):
-    """After one finished turn, ``{"type":"input.text","text":""}`` every second: no ``response.created`` (no
-    turn, so no text timeout either), and the socket is closed by the idle timeout (4008 ``idle_timeout``),
-    not held for as long as the client keeps sending."""
+def test_empty_text_every_second_opens_no_turn_and_keeps_only_the_socket(server):
+    """After one finished turn, ``{"type":"input.text","text":""}`` every second for twice the idle timeout:
+    nothing comes back (no ``response.created``, so no turn and no text timeout) and the socket stays open;
+    once they stop, the idle timeout closes it (4008 ``idle_timeout``)."""
     import websockets
 
     async def run():
@@ -59,29 +84,26 @@ def test_empty_text_every_second_opens_no_turn_and_the_idle_timeout_closes_the_s
                       {"type": "input.done"}):
                 await w.send(json.dumps(m))
             first, _ = await _until_closed(w, lambda m: isinstance(m, dict) and m.get("type") == "response.done")
-            ticker = asyncio.create_task(_tick(w, {"type": "input.text", "text": ""}))
-            try:
-                after, code = await _until_closed(
-                    w, lambda m: isinstance(m, dict) and m.get("type") in ("response.created", "response.done"))
-            finally:
-                ticker.cancel()
-            return first, after, code
+            held = await _hold(w, [{"type": "input.text", "text": ""}])
+            after, code = await _until_closed(w)
+            return first, held, after, code
 
-    first, after, code = asyncio.run(asyncio.wait_for(run(), BOUND_S))
+    first, held, after, code = asyncio.run(asyncio.wait_for(run(), BOUND_S))
     assert first[-1]["type"] == "response.done" and first[-1]["finish_reason"] == "eos", first[-1]
+    assert held == [], held                        # no turn opened, no audio, no error, not closed
     events = [m for m in after if isinstance(m, dict)]
-    assert not any(m.get("type") == "response.created" for m in events), events    # no turn was opened
     assert not any(isinstance(m, bytes) for m in after), "no audio after the turn"
-    assert [m["error"]["code"] for m in events] == ["idle_timeout"], events        # no text_timeout: no turn
+    assert [m["error"]["code"] for m in events] == ["idle_timeout"], events
     assert events[-1]["fatal"] and code == 4008, (events[-1], code)
 
 
 @pytest.mark.parametrize("route", ["multi-stream-input", "stream-input"])
-def test_elevenlabs_keepalives_open_no_turn_and_the_idle_timeout_closes_the_socket(server, route):
+def test_elevenlabs_keepalives_open_no_turn_and_keep_only_the_socket(server, route):
     """ElevenLabs' keep-alives on an open context that has spoken (multi-stream-input) or been opened
-    (stream-input): ``{"text": " "}`` and ``{"text": ""}`` every second open no turn (no audio after the first
-    turn) and move only the socket's keep-alive clock: ElevenLabs' ``inactivity_timeout`` (2 s here) never
-    fires, and the server's idle timeout closes the socket all the same (``idle_timeout``, 1008)."""
+    (stream-input): ``{"text": " "}`` and ``{"text": ""}`` every second for twice the server's idle timeout
+    open no turn (no audio after the first turn) and keep the socket (neither ElevenLabs'
+    ``inactivity_timeout``, 2 s here, nor the idle timeout fires); once they stop, the inactivity timeout
+    closes it (``input_timeout_exceeded``, 1008)."""
     import websockets
 
     multi = route == "multi-stream-input"
@@ -101,17 +123,14 @@ def test_elevenlabs_keepalives_open_no_turn_and_the_idle_timeout_closes_the_sock
             else:
                 await w.send(json.dumps({"text": " "}))
                 alive = [{"text": " "}]
-            tickers = [asyncio.create_task(_tick(w, m)) for m in alive]
-            try:
-                after, code = await _until_closed(w, lambda m: bool(m.get("audio")))
-            finally:
-                for t in tickers:
-                    t.cancel()
-            return first, after, code
+            held = await _hold(w, alive)
+            after, code = await _until_closed(w)
+            return first, held, after, code
 
-    first, after, code = asyncio.run(asyncio.wait_for(run(), BOUND_S))
+    first, held, after, code = asyncio.run(asyncio.wait_for(run(), BOUND_S))
     if multi:
         assert any(m.get("audio") for m in first) and first[-1] == {"isFinal": True, "contextId": "c1"}, first[-2:]
-    assert not any(m.get("audio") for m in after), after[-2:]                 # no turn was opened
-    assert [m.get("error") for m in after] == ["idle_timeout"], after          # not input_timeout_exceeded
+    assert held == [], held                                                  # no turn, no audio, not closed
+    assert not any(m.get("audio") for m in after), after[-2:]
+    assert [m.get("error") for m in after] == ["input_timeout_exceeded"], after
     assert code == 1008, code

@@ -146,7 +146,7 @@ class ElevenLabsSession(WireSession):
     def _next_deadline(self, now: float):
         deadline, what = super()._next_deadline(now)
         if not self.busy():                   # ElevenLabs' inactivity: no message for inactivity_timeout seconds
-            due = self.quiet_since + self.inactivity     # (keep-alives count; the idle timeout's clock ignores them)
+            due = self.quiet_since + self.inactivity     # (keep-alives count, as for the idle timeout)
             if deadline is None or due < deadline:
                 return due, "inactivity"
         return deadline, what

@@ -7,10 +7,11 @@ renders its events (:class:`WireSession`'s hooks).
 - **Deadlines**, in one loop: every timer of the session — idle, the open turn's text clock, the
   protocol's own (ElevenLabs' inactivity) — is a deadline of the receive wait; the nearest one fires.
 - **Clocks**: a message the session refuses (an error answers it) moves no clock; a keep-alive (a message
-  that asks for nothing, :meth:`WireSession.keepalive`) moves only the protocol's keep-alive clock
-  (:attr:`WireSession.quiet_since`, ElevenLabs' inactivity), never the idle clock nor the text clock; any
-  other message, and the end of a turn, moves the idle clock (:attr:`WireSession.active_since`). So a
-  socket that only sends keep-alives or refused messages is closed by the idle timeout all the same.
+  that asks for nothing, :meth:`WireSession.keepalive`) opens no turn and moves only the socket's clocks
+  (the idle clock :attr:`WireSession.active_since` and the protocol's keep-alive clock
+  :attr:`WireSession.quiet_since`, ElevenLabs' inactivity), never a turn's text clock; any other message,
+  and the end of a turn, moves both too. So a keep-alive keeps a socket (which costs no slot: an idle
+  conversation's slot can be parked), never a turn or a slot; refused messages alone keep nothing.
 - **Sends** are bounded by ``stall_timeout``: a client that does not take a message in time loses its
   stream (slot freed, ``mossrt_stalled_streams_total`` counted) and its socket.
 - **Teardown**, however the session ends: the sender stops, the stream's slot is freed, the socket count
@@ -160,17 +161,16 @@ class WireSession:
             self.clocks_after(self._verdict, received)
 
     def clocks_after(self, verdict: str, received: float) -> None:
-        """Move the clocks for a message received at ``received``: a refused one moves none, a keep-alive
-        only the keep-alive clock, any other both."""
+        """Move the socket's clocks for a message received at ``received``: a refused one moves none; a
+        keep-alive and any other message move both (a keep-alive opened no turn, so no text clock moved)."""
         if verdict == "refused":
             return
         self.quiet_since = max(self.quiet_since, received)
-        if verdict == "took":
-            self.active_since = max(self.active_since, received)
+        self.active_since = max(self.active_since, received)
 
     def keepalive(self) -> None:
-        """The message being handled asks for nothing (an empty text delta): it moves only the keep-alive
-        clock."""
+        """The message being handled asks for nothing (an empty text delta): it opens no turn and moves only
+        the socket's clocks."""
         if self._verdict == "took":
             self._verdict = "keepalive"
 
@@ -208,7 +208,7 @@ class WireSession:
                 await self.on_text_timeout()
         elif what == "idle" and not self.busy() and now - self.active_since >= self.policy.idle_timeout:
             raise SessionEnd(ApiError("idle_timeout", f"no turn and no message that did something for "
-                                      f"{self.policy.idle_timeout:g} s (keep-alives and refused messages do not count)"))
+                                      f"{self.policy.idle_timeout:g} s (refused messages do not count)"))
         elif what not in ("poll", "text", "idle"):
             await self.on_protocol_deadline(what, now)
 
