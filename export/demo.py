@@ -7,6 +7,7 @@ from pathlib import Path
 
 from .bundle import BundleWriter
 from .codec_export import export_codec
+from .packed_tokenizer import tokenizer_json
 from .random_checkpoint import make_codec_checkpoint, make_tts_checkpoint
 from .tokenizer_export import export_tokenizer
 from .tts_export import export_tts
@@ -17,9 +18,14 @@ DEMO_VERSION = 2                 # 2: the end rule below
 # noise). The manifest gives it an end rule instead: a turn whose text is all fed ends at this many frames
 # per text id (~0.28 s of audio an id, about speech's rate).
 END_FRAMES_PER_TEXT_ID = 3.5
-# The MOSS-TTS-Realtime tokenizer (Qwen3 BPE with <|audio_pad|>/<|text_pad|> renamed), shipped so the
-# demo needs no download.
-TOKENIZER_JSON = Path(__file__).parent / "data" / "tokenizer.json"
+
+
+def __getattr__(name: str):
+    """``TOKENIZER_JSON``: the MOSS-TTS-Realtime tokenizer (Qwen3 BPE with <|audio_pad|>/<|text_pad|>
+    renamed), shipped so the demo needs no download; unpacked on first use (export/packed_tokenizer.py)."""
+    if name == "TOKENIZER_JSON":
+        return tokenizer_json()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def build_demo_bundle(out_dir: str | Path, seed: int = DEMO_SEED, progress=lambda msg: None,
@@ -33,7 +39,7 @@ def build_demo_bundle(out_dir: str | Path, seed: int = DEMO_SEED, progress=lambd
         writer = BundleWriter(out)
         export_codec(codec, writer, progress=progress)
         export_tts(tts, writer, "fp32", progress)
-        export_tokenizer(TOKENIZER_JSON, writer)
+        export_tokenizer(tokenizer_json(), writer)
         writer.set_section("demo", {"seed": seed, "note": "random weights: the audio is noise, not speech",
                                     "version": DEMO_VERSION, "end_frames_per_text_id": end_frames_per_text_id})
         writer.finish()

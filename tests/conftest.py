@@ -7,8 +7,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from fixture_pack import ensure_unpacked
 
 FIXTURES = Path(__file__).parent / "fixtures"
+# The goldens' checkpoints and arrays are tracked as one xz pack (small enough to travel to a GPU machine):
+# unpacked, sha256-checked, into fixtures/set-a before any test module reads them.
+ensure_unpacked()
 # The provider the parity tests run on: cpu here and in CI; MOSSRT_TEST_DEVICE=cuda on a GPU machine
 # (with onnxruntime-gpu) runs the same golden comparisons on the CUDA provider.
 TEST_DEVICE = os.environ.get("MOSSRT_TEST_DEVICE", "cpu")

@@ -57,3 +57,76 @@ def test_gpu_check_smoke_on_cpu_writes_every_stage(tmp_path):
     assert list(streams) == ["streams=1", "streams=2"] and streams["streams=2"]["runs"][0]["streams"] == 2
     assert stage["serve-loadtest-fp16"]["report"]
     assert "summary.json" in proc.stdout
+
+
+# ---------------------------------------------------------------------------------------------- the H200 window
+REPO = SCRIPT.parent.parent
+H200_ARCHIVE_MIB = 111.9       # docs/gpu.md: the stripped H200 wheelhouse (36 wheels) at this commit
+
+
+def h200_parts(parts_dir: Path, part_mib: float) -> dict:
+    """A parts manifest of the documented H200 wheelhouse's size, cut as `gpu-wheelhouse build --part-mib`
+    cuts it (the parts themselves are not needed to plan their transfers)."""
+    sys.path.insert(0, str(REPO / "scripts"))
+    from wheelhouse import pack
+
+    total, limit = int(H200_ARCHIVE_MIB * pack.MIB), int(part_mib * pack.MIB)
+    sizes = [limit] * (total // limit) + ([total % limit] if total % limit else [])
+    parts = [{"name": f"{pack.ARCHIVE}.{i:03d}", "bytes": n, "sha256": f"{i:064x}"} for i, n in enumerate(sizes, 1)]
+    manifest = {"format": pack.FORMAT, "archive": {"name": pack.ARCHIVE, "bytes": total, "sha256": "0" * 64},
+                "part_limit_bytes": limit, "parts": parts, "wheelhouse": {"python_version": "3.12"}}
+    parts_dir.mkdir(parents=True)
+    (parts_dir / pack.MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
+    return manifest
+
+
+def plan_in_repo(part_mib: float | None, *extra: str) -> tuple[subprocess.CompletedProcess, dict, float]:
+    """`scripts/gpu-check --parts DIR --plan` on the H200 manifest, DIR in this checkout's ignored .wheelhouse
+    (a transfer carries only paths inside the repository); the part size is `--part-mib auto`'s unless given."""
+    import shutil
+    import tempfile
+
+    sys.path.insert(0, str(REPO / "scripts"))
+    from wheelhouse import build
+
+    part_mib = part_mib or build.auto_part_mib(REPO)
+    (REPO / ".wheelhouse").mkdir(exist_ok=True)
+    top = Path(tempfile.mkdtemp(prefix="test-h200-", dir=REPO / ".wheelhouse"))
+    try:
+        manifest = h200_parts(top / "parts", part_mib)
+        proc = subprocess.run([sys.executable, str(SCRIPT), "--parts", str(top / "parts"), "--plan", *extra],
+                              capture_output=True, text=True, timeout=120)
+    finally:
+        shutil.rmtree(top)
+    return proc, manifest, part_mib
+
+
+def test_the_h200_wheelhouse_goes_in_three_transfers_within_the_device_budget():
+    """The documented H200 wheelhouse in `--part-mib auto` parts travels in at most 3 transfers, each under
+    64 MiB with the tree as it travels today (measured now), and the plan prints its device time against the
+    15-minute budget, within it."""
+    import re
+
+    sys.path.insert(0, str(REPO / "scripts"))
+    from wheelhouse import plan
+
+    proc, manifest, part_mib = plan_in_repo(None)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    repo_mib = plan.travelling_bytes(REPO) / plan.MIB
+    sizes = [float(m) for m in re.findall(r"transfer \d/(?:\d): ([\d.]+) MiB", proc.stdout)]
+    assert 1 <= len(sizes) <= 3 and len(manifest["parts"]) <= 3, proc.stdout
+    assert all(s < 64 and s >= repo_mib for s in sizes), (sizes, repo_mib)
+    line = re.search(r"device time: start (\d+) s \+ (\d) transfer\(s\) .* = ([\d.]+) s of the 900 s budget "
+                     r"\(spare ([\d.]+) s\)", proc.stdout)
+    assert line, proc.stdout
+    assert int(line[2]) == len(sizes) and float(line[3]) + float(line[4]) == 900
+    assert "PROBLEM" not in proc.stdout
+
+
+def test_a_plan_over_the_device_budget_is_refused():
+    """A check that leaves the window no room (`--budget 700` beside a start and three transfers) is more
+    device time than a session has: the plan says so and `--plan` exits 2."""
+    proc, _, _ = plan_in_repo(None, "--budget", "700")
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "check <= 700 s" in proc.stdout and "OVER" in proc.stdout
+    assert "PROBLEM: the window needs" in proc.stdout and "over the 900 s budget" in proc.stdout

@@ -20,14 +20,15 @@ from .espeak import TARGET_RATE, Speech
 
 FRAME = TARGET_RATE * 80 // 1000
 TEXT_LEAD = 12                    # ids the first frame reads (the model's text lead)
-TOKENIZER = Path(__file__).resolve().parents[2] / "export" / "data" / "tokenizer.json"
 
 
 def read_chars(text: str):
     """Characters the model has read when it writes frame k: the first 12 ids, then one id a frame."""
     from tokenizers import Tokenizer
 
-    enc = Tokenizer.from_file(str(TOKENIZER)).encode(text, add_special_tokens=False)
+    from export.demo import TOKENIZER_JSON
+
+    enc = Tokenizer.from_file(str(TOKENIZER_JSON)).encode(text, add_special_tokens=False)
     ends = [end for _, end in enc.offsets]
     return lambda k: ends[min(TEXT_LEAD + k, len(ends)) - 1] if ends else 0
 

@@ -18,6 +18,17 @@ from .pack import MANIFEST, MIB, check_parts, read_manifest
 DEFAULT_TRANSFER_MIB = 64
 DEFAULT_DEST = "/tmp/mossrt-parts"
 
+# The device time a window costs, from the device tool's README (its Limits and Notes; it gives no transfer
+# rate, so TRANSFER_S is an assumption until a window measures it). Every start, idle wait and close counts.
+DEVICE_BUDGET_S = 900      # "15 minutes of device time" a session, all tries together
+START_S = 120              # "a call that finds no warm machine spends a minute or more starting one"; a
+                           # failed start costs "1 to 2 minutes": the 2 assumed
+TRANSFER_S = 30            # one call's copy of <= 64 MiB there, the part's cp and sha256sum (assumed)
+WAIT_S = 30                # between calls the machine waits warm, and counted: "warm after a call: 30 s"
+                           # (a longer gap gives it back, /tmp and the parts with it)
+CLOSE_S = 30               # after the last call: its warm wait, unless give_back ends it at once
+DEFAULT_CHECK_S = 480      # scripts/gpu-check's budget on CUDA (its Plan), the join and install included
+
 
 @dataclass
 class Transfer:
@@ -39,6 +50,21 @@ class Plan:
     transfer_limit: int
     parts_dir: str
     problems: list[str]                    # why the plan cannot be sent as it is (empty: it can)
+    check_s: float | None = DEFAULT_CHECK_S    # None: no device window (a CPU dry run)
+
+    @property
+    def device_s(self) -> float:
+        """Device time the window needs: the start, each transfer, the waits between them, the check, the
+        close."""
+        n = len(self.transfers)
+        return START_S + n * TRANSFER_S + max(n - 1, 0) * WAIT_S + (self.check_s or 0) + CLOSE_S
+
+    def device_line(self) -> str:
+        n = len(self.transfers)
+        spare = DEVICE_BUDGET_S - self.device_s
+        return (f"device time: start {START_S} s + {n} transfer(s) x {TRANSFER_S} s + {max(n - 1, 0)} wait(s) x "
+                f"{WAIT_S} s + check <= {self.check_s:g} s + close {CLOSE_S} s = {self.device_s:g} s of the "
+                f"{DEVICE_BUDGET_S} s budget ({'spare' if spare >= 0 else 'OVER'} {abs(spare):g} s)")
 
 
 def travelling_bytes(repo: Path) -> int:
@@ -59,8 +85,9 @@ def is_ignored(repo: Path, rel: str) -> bool:
 
 
 def make_plan(parts_dir: Path, repo: Path, transfer_mib: float = DEFAULT_TRANSFER_MIB, dest: str = DEFAULT_DEST,
-              check_command: str | None = None) -> Plan:
-    """Group the manifest's parts into transfers that fit, first to last, with each one's command."""
+              check_command: str | None = None, check_s: float | None = DEFAULT_CHECK_S) -> Plan:
+    """Group the manifest's parts into transfers that fit, first to last, with each one's command; a plan
+    whose device time (``check_s`` for the check) is over the session's budget says so in its problems."""
     manifest = read_manifest(parts_dir)
     repo, parts_dir = repo.resolve(), parts_dir.resolve()
     limit = int(transfer_mib * MIB)
@@ -99,7 +126,11 @@ def make_plan(parts_dir: Path, repo: Path, transfer_mib: float = DEFAULT_TRANSFE
         last = i == len(transfers) - 1
         command = f"{copy}{verify} && {check}" if last else f"{copy}{verify} && ls -l {q(dest)}"
         out.append(Transfer(carry, sum(s for _, s in group), repo_bytes, command, [n for n, _ in group]))
-    return Plan(out, repo_bytes, limit, str(parts_dir), problems)
+    result = Plan(out, repo_bytes, limit, str(parts_dir), problems, check_s)
+    if check_s is not None and result.device_s > DEVICE_BUDGET_S:
+        problems.append(f"the window needs {result.device_s:g} s of device time, over the {DEVICE_BUDGET_S} s "
+                        f"budget: fewer transfers (a smaller repository, larger parts) or a shorter check")
+    return result
 
 
 def format_parts(manifest: dict, parts_dir: Path | None = None) -> str:
@@ -133,6 +164,8 @@ def format_plan(plan: Plan, manifest: dict, parts_dir: Path | None = None) -> st
     for i, t in enumerate(plan.transfers, 1):
         lines.append(f"  transfer {i}/{len(plan.transfers)}: {t.bytes / MIB:.1f} MiB, carry {t.carry}")
         lines.append(f"    command: {t.command}")
+    if plan.check_s is not None:
+        lines.append(f"  {plan.device_line()}")
     for p in plan.problems:
         lines.append(f"  PROBLEM: {p}")
     return "\n".join(lines)
