@@ -72,10 +72,7 @@ def encode_agreement(ref_codec, codec, wav: np.ndarray, sample_rate: int) -> dic
     return {"codes_equal": float(np.mean(a == b)), "codes": int(a.size)}
 
 
-def main(argv: list[str] | None = None) -> None:
-    from engine.bundle import Bundle
-    from engine.codec import Codec
-
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m export.codec_agreement", description=__doc__.splitlines()[0])
     p.add_argument("--ref", required=True, help="the fp32 codec bundle")
     p.add_argument("--bundle", required=True, help="the codec bundle to compare")
@@ -83,7 +80,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--frames", type=int, default=50, help="random-code frames when no --golden")
     p.add_argument("--n-quantizers", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    from engine.bundle import Bundle
+    from engine.codec import Codec
+
+    args = build_parser().parse_args(argv)
     ref, other = (Codec(Bundle(Path(b), device="cpu")) for b in (args.ref, args.bundle))
     rows = []
     for path in args.golden:
