@@ -12,6 +12,7 @@ import numpy as np
 from .codec import Codec
 from .errors import InputError
 from .limits import Limits
+from .roofline import format_roofline, frame_bytes, memory_read_bandwidth, roofline, stage_bytes
 
 
 def bench_codec(codec: Codec, frames: int = 24, repeats: int = 3, chunk_sizes=(1, 3, 6),
@@ -56,6 +57,10 @@ def bench_codec(codec: Codec, frames: int = 24, repeats: int = 3, chunk_sizes=(1
         codec.encode(wav, codec.sample_rate)
         enc.append(time.perf_counter() - t)
     results["encode_ms_per_frame"] = 1000 * statistics.median(enc) / -(-wav.size // codec.samples_per_frame)
+    call = stage_bytes(codec.bundle)["codec call"]
+    results["roofline"] = roofline({f"codec, {n} frame(s)/call, per frame": (call // n, s["ms_per_frame"])
+                                    for n, s in results["streaming"].items()},
+                                   memory_read_bandwidth(codec.bundle.threads))
     return results
 
 
@@ -68,7 +73,7 @@ def format_codec_report(r: dict) -> str:
                      f"of one-pass   host {100 * s['host_share']:.1f}%   RTF {s['realtime_factor']:.3f}")
     lines.append(f"  encode                   {r['encode_ms_per_frame']:9.2f} ms/frame")
     lines.append(f"  KV state per stream      {r['kv_bytes_per_stream']:,} bytes")
-    return "\n".join(lines)
+    return "\n".join(lines + format_roofline(r["roofline"]))
 
 
 BENCH_TEXT = ("Welcome to the world of MOSS TTS Realtime. Experience how text transforms into smooth, "
@@ -126,6 +131,12 @@ def bench_synth(model, frames: int = 16, repeats: int = 3, seed: int = 0) -> dic
     med["rtf"] = (med["frame_ms"] + med["codec_ms"]) / (1000 * frame_s)
     med.update(frames=frames, repeats=repeats, device=model.bundle.device, peak_rss_bytes=peak_rss_bytes(),
                tts_dtype=model.bundle.info.tts.dtype, codec_dtype=model.bundle.info.codec.dtype)
+    per_call = stage_bytes(model.bundle)
+    med["roofline"] = roofline({"backbone step": (per_call["backbone step"], med["backbone_step_ms"]),
+                                "depth": (per_call["depth"], med["depth_ms"]),
+                                "codec, 1 frame/call": (per_call["codec call"], med["codec_ms"])},
+                               memory_read_bandwidth(model.bundle.threads))
+    med["roofline"].update(frame_bytes=frame_bytes(per_call, 6), codec_frames_per_call=6)
     return med
 
 
@@ -141,6 +152,7 @@ def format_synth_report(r: dict) -> str:
         f"  codec (1 frame/call)    {r['codec_ms']:9.2f} ms/frame",
         f"  real-time factor        {r['rtf']:9.3f}   (TTS frame + codec per 80 ms of audio)",
         f"  peak RSS                {r['peak_rss_bytes'] / 2**30:9.2f} GiB",
+        *format_roofline(r["roofline"]),
     ])
 
 
@@ -339,6 +351,15 @@ def bench_compare(model, frames: int = 8, streams: int = 8, voice_seconds: float
     runs = bench_streams(model, streams=(1, streams), frames=max(frames, 8))["runs"]
     frame_ms = synth["frame_ms"]
     steady = synth["backbone_step_ms"] + synth["depth_ms"] + codec["streaming"][6]["ms_per_frame"]
+    per_call = stage_bytes(model.bundle)
+    lines = roofline({"backbone step": (per_call["backbone step"], synth["backbone_step_ms"]),
+                      "depth": (per_call["depth"], synth["depth_ms"]),
+                      "codec, 1 frame/call": (per_call["codec call"], codec["streaming"][1]["ms_per_frame"]),
+                      "codec, 6 frames/call, per frame": (per_call["codec call"] // 6,
+                                                          codec["streaming"][6]["ms_per_frame"]),
+                      "steady frame (step+depth+codec@6)": (frame_bytes(per_call, 6), steady)},
+                     codec["roofline"]["probe"])
+    lines.update(frame_bytes=frame_bytes(per_call, 6), codec_frames_per_call=6)
     return {
         "device": model.bundle.device, "tts_dtype": model.bundle.info.tts.dtype,
         "codec_dtype": model.bundle.info.codec.dtype,
@@ -357,6 +378,7 @@ def bench_compare(model, frames: int = 8, streams: int = 8, voice_seconds: float
                                 len(model.prompt.tts_prompt(voice)) * (model.kv_bytes_per_slot(1) // 2)},
         "prefix_cache": {"hits": prefix_stats.hits, "entries": prefix_stats.entries},
         "baseline": BASELINE_CPU,
+        "roofline": lines,
     }
 
 
@@ -390,7 +412,7 @@ def format_compare_report(r: dict) -> str:
                  f"{_size(r['kv_bytes_per_stream']['4096 rows'])}")
     for name, n in r["prefix_kv_bytes"].items():
         lines.append(f"  cached prefix KV, {name}: {_size(n)}")
-    return "\n".join(lines)
+    return "\n".join(lines + format_roofline(r["roofline"]))
 
 
 def _size(n: float) -> str:

@@ -93,7 +93,7 @@ class CodecSpec(_Model):
 
 
 class CodecSection(_Model):
-    dtype: Literal["fp32", "fp16"]
+    dtype: Literal["fp32", "fp16", "int8"]   # int8: the decoder's matmuls, the encoder fp32
     spec: CodecSpec
 
 

@@ -251,15 +251,18 @@ def _declare_present(gb: GraphBuilder, present: str, side: str, index: int, spec
 # ---------------------------------------------------------------------------------------------- graphs
 def build_decoder(ckpt: Checkpoint, spec: CodecSpec, path: Path, weight_dtype) -> GraphBuilder:
     """codes [B, N, n_q_total] + n_quantizers + frame_pos [B] + ring KV → audio [B, N*1920] + new KV."""
-    gb = GraphBuilder("codec_decoder", path, weight_dtype)
+    gb = GraphBuilder("codec_decoder", path, weight_dtype, int8_block_scales=True)
     nq, K = spec.num_quantizers, spec.codebook_size
     codes = gb.input("codes", INT64, ["batch", "frames", nq])
     n_quant = gb.input("n_quantizers", INT64, [])
     frame_pos = gb.input("frame_pos", INT64, ["batch"])
     first_frame = gb.unsqueeze(frame_pos, [1])              # [B, 1], shared by the stages
-    table = gb.weight("quantizer.dequant_table", _dequant_tables(ckpt, spec))
     idx = gb.op("Add", [codes, gb.const(np.arange(nq, dtype=np.int64) * K, np.int64)])
-    parts = gb.op("Gather", [table, idx], axis=0)                                    # [B, N, nq, rvq]
+    if gb.weight_dtype == np.int8:    # rows gathered from an fp16 table: the table is never widened whole
+        parts = gb.embedding(idx, _dequant_tables(ckpt, spec), "quantizer.dequant_table")
+    else:
+        parts = gb.op("Gather", [gb.weight("quantizer.dequant_table", _dequant_tables(ckpt, spec)), idx], axis=0)
+    # parts: [B, N, nq, rvq]
     level_on = gb.cast(gb.op("Less", [gb.const(np.arange(nq, dtype=np.int64)[:, None], np.int64), n_quant]), FLOAT)
     z = gb.op("ReduceSum", [gb.op("Mul", [parts, level_on]), gb.const([2], np.int64)], keepdims=0)
     w, b = _wn(ckpt, "quantizer.output_proj")

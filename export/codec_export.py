@@ -7,9 +7,15 @@ from typing import Callable
 
 import numpy as np
 
-from .bundle import DTYPES, BundleWriter
+from .bundle import BundleWriter
 from .checkpoint import Checkpoint
 from .codec import build_decoder, build_encoder, codec_tensor_names, parse_codec_config
+
+
+# codec dtype → (encoder, decoder) weight storage. int8 is the decoder's (read whole for every frame of
+# speech): its matmuls read per-channel int8 (MatMulNBits) and its dequant table is stored in fp16; the
+# encoder, which makes the codes of voice prompts, stays fp32 so those codes stay exact.
+CODEC_DTYPES = {"fp32": ("float32", "float32"), "fp16": ("float16", "float16"), "int8": ("float32", "int8")}
 
 
 def export_codec(ckpt_dir: str | Path, writer: BundleWriter, dtype: str = "fp32",
@@ -19,17 +25,17 @@ def export_codec(ckpt_dir: str | Path, writer: BundleWriter, dtype: str = "fp32"
     Fails before writing anything with the list of missing tensors, and afterwards if the checkpoint
     holds tensors the exporter did not map.
     """
-    if dtype not in DTYPES:
-        raise ValueError(f"codec dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    if dtype not in CODEC_DTYPES:
+        raise ValueError(f"codec dtype must be one of {sorted(CODEC_DTYPES)}, got {dtype!r}")
     ckpt = Checkpoint(ckpt_dir, progress_bar=progress_bar)
     spec = parse_codec_config(ckpt.config)
     ckpt.require(codec_tensor_names(spec, ckpt))
-    weight_dtype = np.dtype(DTYPES[dtype])
+    encoder_dtype, decoder_dtype = (np.dtype(t) for t in CODEC_DTYPES[dtype])
     progress("codec encoder")
-    writer.add_graph(build_encoder(ckpt, spec, writer.graph_path("codec_encoder"), weight_dtype),
+    writer.add_graph(build_encoder(ckpt, spec, writer.graph_path("codec_encoder"), encoder_dtype),
                      "MOSS-Audio-Tokenizer streaming encoder step")
     progress("codec decoder")
-    writer.add_graph(build_decoder(ckpt, spec, writer.graph_path("codec_decoder"), weight_dtype),
+    writer.add_graph(build_decoder(ckpt, spec, writer.graph_path("codec_decoder"), decoder_dtype),
                      "MOSS-Audio-Tokenizer streaming decoder step")
     ckpt.check_all_used()
     writer.set_section("codec", {"dtype": dtype, "spec": spec.to_json(), "source_config": ckpt.config})

@@ -54,20 +54,27 @@ INT8_BLOCK = 32
 INT8_ACCURACY_LEVEL = 4
 
 
-def quantize_int4_blocks(weight: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray]:
-    """Symmetric 4-bit per block of ``block`` input channels of a ``[out, in]`` weight, in the
-    ``MatMulNBits`` layout: packed ``[out, blocks, block/2]`` uint8 (element 2i in the low nibble, zero
-    point 8) and scales ``[out * blocks]`` (``max|w| / 7`` per block, 0 for an all-zero block)."""
+def quantize_blocks(weight: np.ndarray, block: int, bits: int = 4) -> tuple[np.ndarray, np.ndarray]:
+    """Symmetric ``bits``-bit (4 or 8) per block of ``block`` input channels of a ``[out, in]`` weight, in
+    the ``MatMulNBits`` layout: packed ``[out, blocks, block * bits / 8]`` uint8 (4 bits: element 2i in the
+    low nibble, zero point 8; 8 bits: zero point 128) and scales ``[out * blocks]`` (``max|w| / 7`` or
+    ``/ 127`` per block, 0 for an all-zero block)."""
     n, k = weight.shape
     blocks = -(-k // block)
+    top = {4: 7, 8: 127}[bits]
     w = np.zeros((n, blocks * block), np.float32)
     w[:, :k] = weight
     w = w.reshape(n, blocks, block)
-    scale = (np.abs(w).max(axis=2, keepdims=True) / np.float32(7.0)).astype(np.float32)
+    scale = (np.abs(w).max(axis=2, keepdims=True) / np.float32(top)).astype(np.float32)
     q = np.divide(w, scale, out=np.zeros_like(w), where=scale > 0)
-    q = (np.clip(np.rint(q), -8, 7) + 8).astype(np.uint8)
-    packed = (q[..., 0::2] | (q[..., 1::2] << 4)).astype(np.uint8)
+    q = (np.clip(np.rint(q), -top - (bits == 4), top) + top + 1).astype(np.uint8)
+    packed = q if bits == 8 else (q[..., 0::2] | (q[..., 1::2] << 4)).astype(np.uint8)
     return packed, scale.reshape(-1)
+
+
+def quantize_int4_blocks(weight: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`quantize_blocks` at 4 bits."""
+    return quantize_blocks(weight, block, 4)
 
 
 def quantize_int8(array: np.ndarray, axis: int) -> tuple[np.ndarray, np.ndarray]:
@@ -152,7 +159,8 @@ class GraphBuilder:
 
     def __init__(self, name: str, path: Path, weight_dtype: np.dtype = np.dtype(np.float32),
                  int8_block_size: int = INT8_BLOCK, int8_accuracy_level: int = INT8_ACCURACY_LEVEL,
-                 matmul_bits: int = 8, compute_dtype: np.dtype = np.dtype(np.float32)):
+                 matmul_bits: int = 8, compute_dtype: np.dtype = np.dtype(np.float32),
+                 int8_block_scales: bool = False):
         if np.dtype(compute_dtype) not in COMPUTE_DTYPES.values():
             raise ValueError(f"compute dtype must be float32, float16 or bfloat16, got {np.dtype(compute_dtype)}")
         self.compute_dtype = np.dtype(compute_dtype)
@@ -165,6 +173,9 @@ class GraphBuilder:
         self.weight_dtype = np.dtype(weight_dtype)
         self.int8_block_size = int8_block_size
         self.int8_accuracy_level = int8_accuracy_level
+        # int8 matmul weights with a scale per block of int8_block_size inputs rather than one per output
+        # channel: the MatMulNBits layout stores a scale per block either way, so this reads no more bytes
+        self.int8_block_scales = int8_block_scales
         self._nbits: dict[str, tuple[int, int]] = {}   # matmul_weight name → (K, N) of a MatMulNBits weight
         self.nodes: list[onnx.NodeProto] = []
         self.initializers: list[TensorProto] = []
@@ -274,8 +285,8 @@ class GraphBuilder:
         n, k = weight.shape
         bs = self.int8_block_size
         blocks = -(-k // bs)
-        if self.matmul_bits == 4:
-            packed, scales = quantize_int4_blocks(np.asarray(weight, np.float32), bs)
+        if self.matmul_bits == 4 or self.int8_block_scales:
+            packed, scales = quantize_blocks(np.asarray(weight, np.float32), bs, self.matmul_bits)
         else:
             q, scale = quantize_int8(weight, 0)                                 # per output row
             packed = np.full((n, blocks * bs), 128, dtype=np.uint8)             # zero point 128 = 0

@@ -17,6 +17,56 @@ def mossrt(*args):
     return proc.stdout
 
 
+def assert_roofline_consistent(roof: dict) -> None:
+    """Every stage's bandwidth is its bytes over its time, and its share that over the probe's."""
+    probe = roof["probe"]
+    assert probe["bytes_per_s"] > 0 and probe["threads"] >= 1
+    assert abs(probe["bytes_per_s"] - probe["bytes"] / probe["seconds"]) <= 1e-9 * probe["bytes_per_s"]
+    for name, st in roof["stages"].items():
+        assert st["bytes"] > 0 and st["ms"] > 0, name
+        assert abs(st["bytes_per_s"] - st["bytes"] / (st["ms"] / 1000)) <= 1e-9 * st["bytes_per_s"], name
+        assert abs(st["share"] - st["bytes_per_s"] / probe["bytes_per_s"]) <= 1e-12, name
+
+
+def test_weight_bytes_per_call_counts_each_read():
+    """A weight read by two nodes counts twice, a Cast-widened one in its widened size per reader, a Gather
+    table and rotary caches (rows by position) not at all."""
+    import numpy as np
+    from onnx import TensorProto, helper, numpy_helper
+
+    from engine.graph_stats import weight_bytes_per_call
+
+    inits = [numpy_helper.from_array(np.ones((4, 8), np.float32), "w"),
+             numpy_helper.from_array(np.ones((10, 4), np.float32), "table"),
+             numpy_helper.from_array(np.ones((4, 4), np.float16), "h16"),
+             numpy_helper.from_array(np.ones((64, 2), np.float32), "cos"),
+             numpy_helper.from_array(np.ones((64, 2), np.float32), "sin")]
+    nodes = [helper.make_node("Gather", ["table", "ids"], ["e"]),
+             helper.make_node("Cast", ["h16"], ["h"], to=TensorProto.FLOAT),
+             helper.make_node("RotaryEmbedding", ["e", "pos", "cos", "sin"], ["r"], domain="com.microsoft"),
+             helper.make_node("MatMul", ["r", "h"], ["a"]), helper.make_node("MatMul", ["a", "h"], ["b"]),
+             helper.make_node("MatMul", ["b", "h"], ["c"]),
+             helper.make_node("MatMul", ["c", "w"], ["d"]), helper.make_node("MatMul", ["c", "w"], ["f"])]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("ids", TensorProto.INT64, [2])],
+                              [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in ("d", "f")], inits)
+    assert weight_bytes_per_call(helper.make_model(graph)) == 2 * 4 * 8 * 4 + 3 * 4 * 4 * 4
+
+
+def test_bench_codec_roofline(codec_bundle_dir, tmp_path):
+    import onnx
+
+    from engine.graph_stats import weight_bytes_per_call
+
+    out = mossrt("bench", "codec", "--bundle", codec_bundle_dir, "--frames", "6", "--repeats", "1",
+                 "--json", tmp_path / "c.json")
+    roof = json.loads((tmp_path / "c.json").read_text())["roofline"]
+    assert_roofline_consistent(roof)
+    call = weight_bytes_per_call(onnx.load(str(codec_bundle_dir / "codec_decoder.onnx"), load_external_data=False))
+    assert {name: st["bytes"] for name, st in roof["stages"].items()} == {
+        f"codec, {n} frame(s)/call, per frame": call // n for n in (1, 3, 6)}
+    assert "memory read probe" in out and "roofline" in out
+
+
 def test_bench_streams(full_bundle_dir, tmp_path):
     out = mossrt("bench", "streams", "--bundle", full_bundle_dir, "--streams", "1,2", "--frames", "4",
                  "--json", tmp_path / "s.json")
@@ -38,6 +88,14 @@ def test_bench_compare(full_bundle_dir, tmp_path):
     assert r["prefix_cache"]["hits"] >= 2                       # text-only and voice streams started from cache
     assert set(r["frames_per_s"]) == {"1", "2"}
     assert "ratio = ours / upstream" in out and "time to first audio" in out
+    roof = r["roofline"]
+    assert_roofline_consistent(roof)
+    stages = roof["stages"]
+    assert set(stages) == {"backbone step", "depth", "codec, 1 frame/call", "codec, 6 frames/call, per frame",
+                           "steady frame (step+depth+codec@6)"}
+    assert roof["frame_bytes"] == stages["steady frame (step+depth+codec@6)"]["bytes"] == (
+        stages["backbone step"]["bytes"] + stages["depth"]["bytes"] + stages["codec, 1 frame/call"]["bytes"] // 6)
+    assert "one real-time stream needs" in out
     # every time-to-first-audio line prints our figure, the baseline's, and their ratio = ours / baseline
     base = r["baseline"]["time_to_first_audio_ms"]
     assert base > 0

@@ -71,6 +71,7 @@ def _options(parser: argparse.ArgumentParser) -> set[str]:
 
 
 def our_flags() -> set[str]:
+    from export.codec_agreement import build_parser as codec_agreement_parser
     from loadtest.cli import build_parser as loadtest_parser
     from mossrt.cli import build_parser
 
@@ -82,6 +83,7 @@ def our_flags() -> set[str]:
     check = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu-check"), "--help"], capture_output=True,
                            text=True, timeout=60, check=True).stdout
     return (_options(build_parser()) | _options(loadtest_parser()) | _options(wheelhouse_parser())
+            | _options(codec_agreement_parser())
             | set(FLAG.findall(check)))
 
 

@@ -88,7 +88,7 @@ class ModelOption:
 _DEVICES = ("auto", "cpu", "cuda")
 _VERIFY = ("quick", "full", "off")
 _DTYPES = ("fp32", "fp16", "int8", "int4")
-_CODEC_DTYPES = ("fp32", "fp16")
+_CODEC_DTYPES = ("fp32", "fp16", "int8")
 
 MODEL_OPTIONS: dict[str, ModelOption] = {
     "device": ModelOption("device", lambda w, t: parse_choice(w, t, _DEVICES),
@@ -130,7 +130,7 @@ MODEL_OPTIONS: dict[str, ModelOption] = {
     "dtype": ModelOption("dtype", lambda w, t: parse_choice(w, t, _DTYPES),
                          "weight type of the exported TTS graphs: fp32 (default), fp16, int8, int4"),
     "codec_dtype": ModelOption("codec_dtype", lambda w, t: parse_choice(w, t, _CODEC_DTYPES),
-                               "weight type of the exported codec: fp32 or fp16 (default: dtype if fp32/fp16)"),
+                               "weight type of the exported codec: fp32, fp16 or int8 (default: dtype if fp32/fp16)"),
     "cache_dir": ModelOption("cache_dir", parse_text,
                              "where exported bundles are kept (default: <ModelPath>/moss-tts-realtime/bundles, "
                              "else ~/.cache/mossrt/localai-bundles)"),
