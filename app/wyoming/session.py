@@ -1,7 +1,7 @@
 """One Wyoming connection, held to every bound of a client session (:class:`~app.session.policy.SessionPolicy`).
 
 - ``describe`` → ``info``; ``ping`` → ``pong``.
-- ``synthesize`` (one text) is one utterance, checked once like an HTTP request (``prepare_utterance``: the
+- ``synthesize`` (one text) is one utterance, checked once like an HTTP request (``aprepare_utterance``: the
   text limit, the stream's context and frame limit), then ``audio-start``, ``audio-chunk``s (s16le, 24 kHz,
   mono) as frames are generated, ``audio-stop``.
 - ``synthesize-start`` opens a :class:`~app.session.conversation.Conversation`'s turn (the queue timeout),
@@ -46,7 +46,7 @@ from ..protocol_bounds import SEND_BUFFER_BYTES
 from ..service import SamplingFields
 from ..session.conversation import Conversation
 from ..session.pump import Audio, Ended, Failed, TurnAudio, pump
-from ..session.utterance import prepare_utterance
+from ..session.utterance import aprepare_utterance
 from ..session.wire import CLOSE_BOUND_S, TEXT_POLL_S, ClientStalled, FrameRefused, SessionEnd
 from .events import read_event
 from .info import describe
@@ -231,7 +231,7 @@ class WyomingSession(AsyncEventHandler):
         arrived = time.monotonic()
         self._begin()
         voice = await run_in_threadpool(self.service.resolve_voice, self._voice_key(msg.voice))
-        utterance = prepare_utterance(self.service, msg.text, voice, SamplingFields(), param="text")
+        utterance = await aprepare_utterance(self.service, msg.text, voice, SamplingFields(), param="text")
         turn = self._turn_audio()
         try:
             handle = await utterance.start(self.service, AsyncSink(), arrived=arrived)
