@@ -33,8 +33,10 @@ python3 -m venv "$work/host"
 say "host: $(wc -l < "$work/host-has.txt") packages ($(grep -i '^numpy==' "$work/host-has.txt"), $(grep -i '^onnxruntime==' "$work/host-has.txt"))"
 
 # 2. the wheelhouse (onnxruntime replaced: the cpu extra needs 1.32 where the host has 1.30)
+# resolved with the host venv's Python: its pip was upgraded above (the build refuses a pip older than 23.3,
+# such as the 23.2 this machine's own python3 may carry)
 scripts/gpu-wheelhouse build --host-has "$work/host-has.txt" --extras cpu,loadtest --replace onnxruntime \
-    --part-mib 20 --out "$work/wh" | tee "$work/build.log"
+    --resolver-python "$work/host/bin/python" --part-mib 20 --out "$work/wh" | tee "$work/build.log"
 parts=$(find "$work/wh/parts" -name 'mossrt-wheelhouse.tar.xz.*' | wc -l)
 [ "$parts" -ge 2 ] || fail "expected the wheelhouse in several 20 MiB parts, got $parts"
 for part in "$work"/wh/parts/mossrt-wheelhouse.tar.xz.*; do
