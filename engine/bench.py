@@ -311,9 +311,54 @@ def _ttfa(scheduler, model, ids, voice=None, user_text: str = "", handle=None) -
             return 1000 * first, h
 
 
-def bench_compare(model, frames: int = 8, streams: int = 8, voice_seconds: float = 10.0, repeats: int = 3) -> dict:
-    """Per-stage ms, time to first audio (text only, registered voice, second turn), frames/s at 1 and
-    ``streams`` streams, memory; each with its ratio to the upstream PyTorch CPU baseline."""
+def bench_parking(model, ids, context_rows: int = 1000, repeats: int = 3) -> dict:
+    """What parking costs a conversation of ``context_rows`` rows: the time to first audio of its next turn
+    kept in its slot, and of the same turn after another stream's turn parked it (one slot, so every turn of
+    the other stream parks the conversation and every turn of the conversation parks the other), the turn
+    that parks it, and the resume itself (admission to rows back in the slot)."""
+    from .scheduler import Scheduler
+
+    need_rows = lambda h: max(0, context_rows - h.context_rows - len(ids) - 8)
+    kept, parking, resumed, resume_ms = [], [], [], []
+    row_bytes = model.kv_bytes_per_slot(1) // 2
+    sch = Scheduler(model, slots=1, limits=Limits(max_context_rows=max(2 * context_rows, 512)),
+                    parked_bytes=4 * row_bytes * (context_rows + 512))
+    try:
+        sch.wait_warm()
+        h = sch.open_stream(params=model.default_sampling(), seed=0)
+        sentence_rows = len(model.tokenizer.encode(BENCH_TEXT))
+        per_turn = max(1, 3500 // (len(BENCH_TEXT) + 1))      # sentences in a user text within its limit
+        while True:                                           # the conversation's earlier turns
+            sentences = min(per_turn, need_rows(h) // sentence_rows)
+            _ttfa(sch, model, ids, user_text=" ".join([BENCH_TEXT] * sentences), handle=h)
+            if sentences < per_turn:
+                break
+        g = None
+        for _ in range(repeats):
+            kept.append(_ttfa(sch, model, ids, user_text="And then?", handle=h)[0])
+            ms, g = _ttfa(sch, model, ids, handle=g)           # no free slot: h is parked
+            parking.append(ms)
+            sch.take_resume_seconds()
+            rows = h.context_rows
+            resumed.append(_ttfa(sch, model, ids, user_text="And then?", handle=h)[0])   # g parked, h resumed
+            resume_ms += [1000 * s for s in sch.take_resume_seconds()]
+        stats = sch.stats().parking
+        g.close()
+        h.close()
+    finally:
+        sch.stop()
+    return {"context_rows": rows, "parked_bytes": rows * row_bytes, "parks": stats.parks, "resumes": stats.resumes,
+            "resume_ms": statistics.median(resume_ms), "resume_samples": len(resume_ms),
+            "time_to_first_audio_ms": {f"next turn at {rows} rows, kept in its slot": statistics.median(kept),
+                                       f"next turn at {rows} rows, parked and resumed": statistics.median(resumed),
+                                       f"a turn that parks a {rows}-row context": statistics.median(parking)}}
+
+
+def bench_compare(model, frames: int = 8, streams: int = 8, voice_seconds: float = 10.0, repeats: int = 3,
+                  context_rows: int = 1000) -> dict:
+    """Per-stage ms, time to first audio (text only, registered voice, second turn, a turn of a conversation
+    of ``context_rows`` rows kept in its slot and parked), frames/s at 1 and ``streams`` streams, memory;
+    each with its ratio to the upstream PyTorch CPU baseline."""
     from .scheduler import Scheduler
 
     synth = bench_synth(model, frames=frames, repeats=repeats)
@@ -348,6 +393,8 @@ def bench_compare(model, frames: int = 8, streams: int = 8, voice_seconds: float
     finally:
         scheduler.stop()
         plain.stop()
+    parked = bench_parking(model, ids, context_rows=context_rows, repeats=repeats)
+    ttfa_ms = {k: statistics.median(v) for k, v in ttfa.items()} | parked.pop("time_to_first_audio_ms")
     runs = bench_streams(model, streams=(1, streams), frames=max(frames, 8))["runs"]
     frame_ms = synth["frame_ms"]
     steady = synth["backbone_step_ms"] + synth["depth_ms"] + codec["streaming"][6]["ms_per_frame"]
@@ -368,7 +415,8 @@ def bench_compare(model, frames: int = 8, streams: int = 8, voice_seconds: float
                       **{f"codec_{n}_per_frame": s["ms_per_frame"] for n, s in codec["streaming"].items()},
                       "steady_frame_codec6": steady},
         "host_share": synth["host_share"],
-        "time_to_first_audio_ms": {k: statistics.median(v) for k, v in ttfa.items()},
+        "time_to_first_audio_ms": ttfa_ms,
+        "parking": parked,
         "frames_per_s": {r["streams"]: r["frames_per_s"] for r in runs},
         "peak_rss_bytes": peak_rss_bytes(),
         "kv_bytes_per_row": model.kv_bytes_per_slot(1) // 2,
@@ -398,10 +446,13 @@ def format_compare_report(r: dict) -> str:
     lines += [f"  {name:<36} {ours:10.2f} {base:10.1f} {ratio(ours, base):>8}" for name, ours, base in rows]
     lines.append(f"  {'steady frame (step+depth+codec@6)':<36} {st['steady_frame_codec6']:10.2f}")
     lines.append(f"  host time outside onnxruntime runs: {100 * r['host_share']:.1f}% of the frame loop")
-    lines.append(f"  {'time to first audio':<36} {'ms':>10} {'baseline':>10} {'ratio':>8}")
+    lines.append(f"  {'time to first audio':<46} {'ms':>10} {'baseline':>10} {'ratio':>8}")
     for name, ms in r["time_to_first_audio_ms"].items():
-        lines.append(f"    {name:<34} {ms:10.1f} {b['time_to_first_audio_ms']:10.1f} "
+        lines.append(f"    {name:<44} {ms:10.1f} {b['time_to_first_audio_ms']:10.1f} "
                      f"{ratio(ms, b['time_to_first_audio_ms']):>8}")
+    p = r["parking"]
+    lines.append(f"  parking a {p['context_rows']}-row context ({_size(p['parked_bytes'])} of KV): resume "
+                 f"{p['resume_ms']:.1f} ms (admission to rows back in the slot, median of {p['resume_samples']})")
     fps = r["frames_per_s"]
     one, many = min(fps), max(fps)
     lines.append(f"  frames/s: 1 stream {fps[one]:.2f}, {many} streams {fps[many]:.2f} (x{fps[many] / fps[one]:.2f}); "

@@ -139,6 +139,8 @@ def build_parser() -> argparse.ArgumentParser:
     bc.add_argument("--frames", type=int_in(2, 1000), default=8, help="frames per synthesis run (2..1000)")
     bc.add_argument("--streams", type=int_in(2, 256), default=8, help="concurrent streams for the throughput figure")
     bc.add_argument("--repeats", type=int_in(1, 100), default=3, help="runs to take the median of (1..100)")
+    bc.add_argument("--context-rows", type=int_in(64, 4096), default=1000,
+                    help="context of the conversation whose turns are timed kept in its slot and parked (64..4096)")
     bc.add_argument("--json", help="also write the results as JSON here")
     runtime_flags(bc)
     bc.set_defaults(func=c.cmd_bench_compare)

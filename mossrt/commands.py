@@ -336,7 +336,8 @@ def cmd_bench_compare(args) -> None:
     from engine.bench import bench_compare, format_compare_report
 
     run_bench(args, load_model, lambda model: bench_compare(model, frames=args.frames, streams=args.streams,
-                                                            repeats=args.repeats), format_compare_report)
+                                                            repeats=args.repeats, context_rows=args.context_rows),
+              format_compare_report)
 
 
 # ---------------------------------------------------------------------------------------------- checkpoints, demo

@@ -86,6 +86,13 @@ def test_bench_compare(full_bundle_dir, tmp_path):
     for key in ("cold (no prefix cache)", "text only", "registered voice", "second turn"):
         assert r["time_to_first_audio_ms"][key] > 0
     assert r["prefix_cache"]["hits"] >= 2                       # text-only and voice streams started from cache
+    park = r["parking"]                     # --repeats 1: the conversation parked once by the other's turn
+    assert park["context_rows"] >= 900 and park["resumes"] >= 1 and park["parks"] >= 2 and park["resume_ms"] > 0
+    rows = park["context_rows"]
+    for key in (f"next turn at {rows} rows, kept in its slot", f"next turn at {rows} rows, parked and resumed",
+                f"a turn that parks a {rows}-row context"):
+        assert r["time_to_first_audio_ms"][key] > 0
+    assert f"parking a {rows}-row context" in out
     assert set(r["frames_per_s"]) == {"1", "2"}
     assert "ratio = ours / upstream" in out and "time to first audio" in out
     roof = r["roofline"]

@@ -32,9 +32,21 @@ SCRIPT = {
 
 
 def client_python(name: str) -> Path:
+    """The Python of a client's own venv, made on first use. Two test runs at once (fp32 and fp16 side by side)
+    share it: the first builds it under a lock, the other waits for it, and a venv whose install did not finish
+    (no ``.installed`` mark) is built again."""
+    import fcntl
+    import shutil
+
     venv = Path(os.environ.get(f"MOSSRT_{name.upper()}_VENV") or REPO / f".venv-{name}")
-    python = venv / "bin" / "python"
-    if not python.exists():
+    python, done = venv / "bin" / "python", venv / ".installed"
+    if python.exists() and (done.exists() or os.environ.get(f"MOSSRT_{name.upper()}_VENV")):
+        return python
+    with open(venv.parent / f"{venv.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if done.exists():
+            return python
+        shutil.rmtree(venv, ignore_errors=True)
         subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300)
         unpinned = CLIENTS / f"requirements-{name}-nodeps.txt"     # a client whose own pins are not installed
         if unpinned.exists():
@@ -42,6 +54,7 @@ def client_python(name: str) -> Path:
                            timeout=1800)
         subprocess.run([str(python), "-m", "pip", "install", "-q", "-r", str(CLIENTS / f"requirements-{name}.txt")],
                        check=True, timeout=1800)
+        done.touch()
     return python
 
 
@@ -115,6 +128,33 @@ def test_pipecat_elevenlabs_tts_service(server, tmp_path):
     assert metric(server, "mossrt_generating_streams") == 0
 
 
+def test_pipecat_agents_outnumber_the_slots(full_bundle_dir, tmp_path):
+    """Four pipecat agents on a two-slot server, each speaking two turns with a pause between and keeping its
+    socket open until all four have spoken both (overlapping calls): every turn completes, none is refused,
+    idle conversations were parked to make room, and each agent's two turns are exactly (within PCM round-off)
+    what one conversation of those two turns says on our WebSocket, parked or not. (With slots held by open
+    sockets the third and fourth agents wait out the queue timeout and are refused.)"""
+    python = client_python("pipecat")
+    turns = [SCRIPT["second"], SCRIPT["after"]]
+    plan = {"agents": 4, "turns": turns, "pause_s": 1.0}
+    out = tmp_path / "agents.json"
+    with Server(full_bundle_dir, tmp_path / "voices", tmp_path / "server.log", "--max-streams", "2",
+                "--queue-timeout", "120", env={"MOSSRT_ELEVENLABS_GREEDY": "1"}) as s:
+        proc = subprocess.run([str(python), str(CLIENTS / "pipecat_agents.py"), s.base.replace("http", "ws"),
+                               str(out)], input=json.dumps(plan), capture_output=True, text=True, timeout=1500)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        assert metric(s, "mossrt_parks_total") >= 2            # at least the two agents beyond the slots
+        ref = asyncio.run(native_ws_turns(s, turns))
+    agents = json.loads(out.read_text())["agents"]
+    assert len(agents) == 4
+    for utterances in agents:
+        assert len(utterances) == 2
+        for got, tokens, want in zip(utterances, turns, ref):
+            assert [w for w, _ in got["words"]] == "".join(tokens).split()
+            a, b = pcm16(base64.b64decode(got["pcm"])), pcm16(want)
+            assert got["rate"] == 24000 and a.shape == b.shape and np.abs(a - b).max() <= PCM_TOLERANCE
+
+
 def test_livekit_plugins_elevenlabs_stream(server):
     """livekit-plugins-elevenlabs' streaming TTS (base_url=http://.../v1, its default word tokenizer and
     inactivity timeout): the PCM equals our WebSocket's for the words it sends; its timed transcript gives every
@@ -159,6 +199,11 @@ def test_livekit_plugins_elevenlabs_stream(server):
     sent = [w + " " for w in FIRST.split()]           # livekit sends words, each ending with a space
     ref = asyncio.run(native_ws_turns(server, [sent]))[0]
     a, b = pcm16(pcm), pcm16(ref)
+    # when audio comes slower than it plays (a loaded machine), livekit's AudioEmitter flushes what it holds
+    # early and ends the segment with "a tiny empty marker": 10 ms of zeros it makes itself
+    marker = 24000 // 100
+    if a.shape[0] == b.shape[0] + marker and not a[-marker:].any():
+        a = a[:-marker]
     assert a.shape == b.shape and np.abs(a - b).max() <= PCM_TOLERANCE
 
 

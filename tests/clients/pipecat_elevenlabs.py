@@ -76,16 +76,21 @@ async def interrupted(task: PipelineTask, collector: Collector, frames: list) ->
     collector.current = None            # an interrupted utterance gets no TTSStoppedFrame
 
 
-async def main(url: str, out: str) -> None:
-    text = json.loads(sys.stdin.read())
+def tts_pipeline(url: str) -> tuple[PipelineTask, Collector]:
+    """ElevenLabsTTSService on ``url`` (24 kHz, token aggregation) into a collector, as a pipeline task."""
     tts = ElevenLabsTTSService(api_key="unused-key", url=url, sample_rate=24000,
                                settings=ElevenLabsTTSService.Settings(voice="default", model="eleven_flash_v2_5"),
                                text_aggregation_mode=TextAggregationMode.TOKEN)
     collector = Collector()
     task = PipelineTask(Pipeline([tts, collector]), params=PipelineParams(audio_out_sample_rate=24000),
                         cancel_on_idle_timeout=False)
-    runner = PipelineRunner(handle_sigint=False)
-    run = asyncio.create_task(runner.run(task))
+    return task, collector
+
+
+async def main(url: str, out: str) -> None:
+    text = json.loads(sys.stdin.read())
+    task, collector = tts_pipeline(url)
+    run = asyncio.create_task(PipelineRunner(handle_sigint=False).run(task))
     result: dict = {}
     try:
         for key in ("first", "second"):
