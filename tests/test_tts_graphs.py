@@ -468,24 +468,46 @@ def test_reduced_precision_agreement(tts_bundle_for, dtype, floors):
         assert rates[key] >= floor, (key, rates)
 
 
-# Teacher-forced against the fp32 bundle (export.tts_agreement: a 48-row random prefill, 24 steps, seed 0), as
-# docs/export.md states it: hidden-state relative error median / max, greedy codes equal overall and on
-# codebook 0. Measured on set-a: fp16 1.6e-4 / 2.4e-4, 100 % / 100 %; fp16 compute 5.5e-4 / 7.5e-4, 99.7 % /
-# 100 %; int8 4.5e-3 / 8.8e-3, 76.0 % / 100 %; int4 5.1e-2 / 8.8e-2, 12.0 % / 66.7 %. The bounds sit a little
-# outside.
-HIDDEN_AGREEMENT = {("fp16", "fp32"): (3e-4, 5e-4, 0.97, 1.0), ("fp16", "fp16"): (1e-3, 1.5e-3, 0.95, 1.0),
-                    ("int8", "fp32"): (8e-3, 1.5e-2, 0.65, 0.9), ("int4", "fp32"): (8e-2, 0.13, 0.08, 0.5)}
+def golden_hidden_rel_error(bundle_dir) -> np.ndarray:
+    """Relative L2 error of a bundle's teacher-forced backbone hidden states against the goldens' (every case,
+    greedy and with repetition penalty, one value per step)."""
+    g = Graphs(bundle_dir)
+    rel = []
+    for case in CASES:
+        gd = tts_golden(case)
+        for rep in ("greedy", "greedy_rep"):
+            hidden, ref = teacher_forced_hidden(g, gd, rep), gd[f"{rep}_step_hidden"]
+            rel += list(np.linalg.norm(hidden - ref, axis=-1) / np.linalg.norm(ref, axis=-1))
+    return np.array(rel)
 
 
-@pytest.mark.parametrize("dtype,compute", list(HIDDEN_AGREEMENT))
-def test_reduced_precision_hidden_state_agreement(tts_bundle_for, dtype, compute):
+# Teacher-forced backbone hidden states against the goldens, relative error median / max, as docs/export.md
+# states them beside the code rates of test_reduced_precision_agreement. Measured on set-a: fp16 1.7e-4 /
+# 3.4e-4, int8 4.5e-3 / 8.7e-3, int4 5.3e-2 / 9.4e-2 (fp16 compute: test_fp16_compute_on_cpu); the bounds
+# sit a little outside.
+HIDDEN_BOUNDS = {"fp16": (3e-4, 6e-4), "int8": (7e-3, 1.5e-2), "int4": (8e-2, 0.15)}
+
+
+@pytest.mark.parametrize("dtype", list(HIDDEN_BOUNDS))
+def test_reduced_precision_hidden_state_agreement(tts_bundle_for, dtype):
+    rel = golden_hidden_rel_error(tts_bundle_for(dtype))
+    print(f"{dtype} weights: teacher-forced hidden relative error against the goldens median {np.median(rel):.2e} "
+          f"max {np.max(rel):.2e}")
+    median, worst = HIDDEN_BOUNDS[dtype]
+    assert np.median(rel) <= median and np.max(rel) <= worst, (np.median(rel), np.max(rel))
+
+
+def test_tts_agreement_tool_follows_the_fp32_bundle(tts_bundle_for):
+    """export.tts_agreement (the tool that states agreement at real dimensions, where no goldens exist) on set-a:
+    an fp32 bundle agrees with itself exactly, and int8 is as far from fp32 as the golden comparison says."""
     from export.tts_agreement import tts_agreement
 
-    r = tts_agreement(tts_bundle_for("fp32"), tts_bundle_for(dtype, compute))
-    print(f"{dtype} weights, {compute} compute: {r}")
-    median, worst, codes, codebook0 = HIDDEN_AGREEMENT[dtype, compute]
-    assert r["hidden_rel_error_median"] <= median and r["hidden_rel_error_max"] <= worst, r
-    assert r["codes_equal"] >= codes and r["codebook0_equal"] >= codebook0, r
+    same = tts_agreement(tts_bundle_for("fp32"), tts_bundle_for("fp32"))
+    assert same["hidden_rel_error_max"] == 0 and same["codes_equal"] == 1.0
+    r = tts_agreement(tts_bundle_for("fp32"), tts_bundle_for("int8"))
+    bound = HIDDEN_BOUNDS["int8"]
+    assert 0 < r["hidden_rel_error_median"] <= bound[0] and r["hidden_rel_error_max"] <= bound[1], r
+    assert r["codebook0_equal"] >= 0.9 and len(r["per_codebook_equal"]) == 16, r
 
 
 @pytest.mark.parametrize("level", [1, 4])
@@ -671,13 +693,7 @@ def test_fp16_compute_on_cpu(tts_bundle_dir, tts_bundle_for):
     assert bb["past_key.0"] == bb["present_value.1"] == "float16" and bb["hidden"] == "float32"
     model = onnx.load(str(fp16_dir / "backbone.onnx"), load_external_data=False)
     assert not [n.name for n in model.graph.node if n.op_type == "Cast"][1:], "only the hidden output is cast"
-    g = Graphs(fp16_dir)
-    rel = []
-    for case in CASES:
-        gd = tts_golden(case)
-        for rep in ("greedy", "greedy_rep"):
-            hidden, ref = teacher_forced_hidden(g, gd, rep), gd[f"{rep}_step_hidden"]
-            rel += list(np.linalg.norm(hidden - ref, axis=-1) / np.linalg.norm(ref, axis=-1))
+    rel = golden_hidden_rel_error(fp16_dir)
     rates = _agreement(fp16_dir)
     print(f"fp16 compute: teacher-forced hidden relative error median {np.median(rel):.2e} max {np.max(rel):.2e}; "
           "greedy code agreement " + ", ".join(f"{k} {v:.2%}" for k, v in rates.items()))
