@@ -758,10 +758,34 @@ def test_sigterm_drains_localai(demo_bundle_dir, tmp_path):
             list(b.stub.TTSStream(pb.TTSRequest(text="Hi."), timeout=10))
         drained = b"".join(r.audio for r in first + list(replies))
         status = b.proc.wait(timeout=120)
+    # refused by the backend's drain gate, not lost in a race with grpc's own stop (that came back CANCELLED)
     assert refused.value.code() == grpc.StatusCode.UNAVAILABLE, refused.value
+    assert "the backend is stopping" in refused.value.details(), refused.value
     # all of it (the grace did not cut the call off), to the codec's chunking round-off: not bitwise, since the
     # chunking follows the caller's playback clock, which load moves
     assert_same_audio(pcm16(drained), pcm16(whole))
+    assert status == 0, b.log()[-3000:]
+    assert "Traceback" not in b.log(), b.log()[-3000:]
+
+
+def test_sigterm_grace_ends_a_localai_call_that_outlasts_it(demo_bundle_dir, tmp_path):
+    """SIGTERM with ``--grace 1`` while a TTSStream's caller takes nothing: when the grace is spent the call is
+    ended (an error status for the caller, not a hang) and the process exits 0 with no traceback."""
+    from app.localai import backend_pb2 as pb
+
+    b = Backend(tmp_path / "b.log", "--grace", "1")
+    with b:
+        # a stall timeout longer than the wait below, so only the grace can end the call
+        assert b.stub.LoadModel(pb.ModelOptions(Model=str(demo_bundle_dir), Options=["stall_timeout:600"]),
+                                timeout=120).success
+        replies = iter(b.stub.TTSStream(pb.TTSRequest(text=LONG * 2, params={"seed": "1", "speed": "0.25"}),
+                                        timeout=300))
+        next(replies), next(replies)
+        b.proc.send_signal(signal.SIGTERM)
+        status = b.proc.wait(timeout=120)        # the grace, not the call (minutes of audio), ends the process
+        with pytest.raises(grpc.RpcError):
+            for _ in replies:
+                pass
     assert status == 0, b.log()[-3000:]
     assert "Traceback" not in b.log(), b.log()[-3000:]
 

@@ -178,6 +178,56 @@ class BearerTokenInterceptor(grpc.ServerInterceptor):
         return _rebuild(handler, deny)
 
 
+class DrainGate(grpc.ServerInterceptor):
+    """Counts running calls and, once :meth:`close` is called, refuses new ones with UNAVAILABLE itself.
+
+    The server keeps accepting connections while its running calls drain, so a call that arrives then is
+    refused here, deterministically; left to ``grpc.Server.stop`` one that raced the stop came back
+    CANCELLED. A call counts from its handler's start until gRPC reports it terminated."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._running = 0
+        self._closed = False
+
+    def intercept_service(self, continuation, handler_call_details):
+        handler = continuation(handler_call_details)
+        if handler is None:
+            return None
+        behavior = (handler.unary_unary or handler.unary_stream or handler.stream_unary
+                    or handler.stream_stream)
+
+        def gated(request, context):
+            with self._cond:
+                if self._closed:
+                    refused = True
+                else:
+                    refused = False
+                    self._running += 1
+            if refused:
+                context.abort(grpc.StatusCode.UNAVAILABLE, "the backend is stopping: retry on another instance")
+            if not context.add_callback(self._leave):
+                self._leave()                   # already terminated (the caller left before we started)
+            return behavior(request, context)
+
+        return _rebuild(handler, gated)
+
+    def _leave(self) -> None:
+        with self._cond:
+            self._running -= 1
+            self._cond.notify_all()
+
+    def close(self) -> None:
+        """Refuse every call from now on."""
+        with self._cond:
+            self._closed = True
+
+    def wait_idle(self, timeout: float) -> bool:
+        """Wait until no call runs, at most ``timeout`` seconds; whether none does."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self._running == 0, timeout=max(0.0, timeout))
+
+
 def interceptors_from_env(env=os.environ) -> list[grpc.ServerInterceptor]:
     token = env.get(AUTH_ENV, "")
     return [BearerTokenInterceptor(token)] if token else []
@@ -770,7 +820,8 @@ def serve(addr: str, *, bundle: str | Path | None = None, exporter: Exporter | N
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     backend = MossTTSBackend(defaults, exporter=exporter, demo_bundle=demo_bundle)
-    server, port = build_server(addr, backend, max_workers)
+    gate = DrainGate()
+    server, port = build_server(addr, backend, max_workers, interceptors=[gate, *interceptors_from_env()])
     stop = threading.Event()
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
@@ -784,8 +835,11 @@ def serve(addr: str, *, bundle: str | Path | None = None, exporter: Exporter | N
                 log.error("loading %s failed: %s (LoadModel can load another)", bundle, e)
         while not stop.wait(0.5):
             pass
+        gate.close()                             # before the line below: a call after it is refused
         log.info("stopping: running calls get %.0f s", grace)
-        server.stop(grace).wait()
+        deadline = time.monotonic() + grace
+        gate.wait_idle(grace)
+        server.stop(max(0.0, deadline - time.monotonic())).wait()
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
