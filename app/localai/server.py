@@ -199,12 +199,10 @@ class DrainGate(grpc.ServerInterceptor):
 
         def gated(request, context):
             with self._cond:
-                if self._closed:
-                    refused = True
-                else:
-                    refused = False
+                closed = self._closed
+                if not closed:
                     self._running += 1
-            if refused:
+            if closed:
                 context.abort(grpc.StatusCode.UNAVAILABLE, "the backend is stopping: retry on another instance")
             if not context.add_callback(self._leave):
                 self._leave()                   # already terminated (the caller left before we started)
