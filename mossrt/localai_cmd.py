@@ -8,6 +8,7 @@ import argparse
 from pathlib import Path
 
 from .commands import CliError, cmd_export, ensure_demo_bundle
+from .serve import exit_now
 
 
 def export_checkpoint(model: str, codec: str, out_dir: Path, *, tokenizer: str | None = None, dtype: str = "fp32",
@@ -31,6 +32,7 @@ def cmd_localai(args) -> None:
               defaults=defaults, grace=args.grace)
     except ValueError as e:                      # PYTHON_GRPC_MAX_WORKERS
         raise CliError(str(e)) from None
+    exit_now()                                   # a load in progress must not meet the interpreter's teardown
 
 
 def add_localai_parser(sub, runtime_flags, int_in) -> None:

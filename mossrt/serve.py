@@ -78,12 +78,14 @@ def cmd_serve(args) -> None:
                             http=bounded_http_protocol(bounds), ws=bounded_ws_protocol(bounds),
                             timeout_graceful_shutdown=None)        # the flush is bounded by draining_server
     draining_server(config, app.state.service).run()
-    _exit_now()
+    exit_now()
 
 
-def _exit_now() -> None:
+def exit_now() -> None:
     """The server has stopped: exit without the interpreter's teardown (its garbage collection over the
-    loaded model's objects took 1.5-3 s on the demo bundle, outside every shutdown bound)."""
+    loaded model's objects took 1.5-3 s on the demo bundle, outside every shutdown bound; and a model still
+    loading on its daemon thread, inside onnxruntime, aborts the teardown: "terminate called without an
+    active exception", status 134)."""
     import os
     import sys
 

@@ -9,6 +9,7 @@ import importlib.metadata
 import json
 import os
 import re
+import signal
 import sys
 import time
 from pathlib import Path
@@ -375,15 +376,60 @@ def test_bundle_given_at_start_is_loaded_before_load_model(tmp_path, full_bundle
     LocalAI's LoadModel naming the same bundle only checks it."""
     with Backend(tmp_path / "preload.log", "--bundle", str(full_bundle_dir), "--voices-dir", str(tmp_path / "v")) as b:
         assert b.stub.Health(pb.HealthMessage(), timeout=RPC_TIMEOUT).message == b"OK"
+        # from the first call on the bundle is known: BUSY, never UNINITIALIZED (the server once listened
+        # before the bundle was registered: CI's loaded run saw UNINITIALIZED), and a TTS is told to retry
         deadline = time.monotonic() + 60
         while (state := b.stub.Status(pb.HealthMessage(), timeout=RPC_TIMEOUT).state) != pb.StatusResponse.READY:
             assert state == pb.StatusResponse.BUSY and time.monotonic() < deadline, state
+            try:
+                b.stub.TTS(pb.TTSRequest(text=TEXT, dst=str(tmp_path / "early.wav")), timeout=RPC_TIMEOUT)
+            except grpc.RpcError as e:
+                assert e.code() == grpc.StatusCode.UNAVAILABLE and "still loading" in e.details(), e
             time.sleep(0.1)
         _, pcm = stream(b.stub, TEXT, params={"greedy": "true"})       # served before any LoadModel
         assert len(pcm) > 0
         r = b.stub.LoadModel(pb.ModelOptions(Model=str(full_bundle_dir), Threads=2), timeout=RPC_TIMEOUT)
         assert r.success and "already loaded" in r.message, r.message
         assert b.log().count("loading ") == 1                             # not loaded a second time
+
+
+def test_the_bundle_given_at_start_is_known_before_the_listener_opens(tmp_path, full_bundle_dir):
+    """``preload``'s ``listen`` (``serve`` passes the gRPC server's start) runs once the bundle is registered:
+    the first call that can arrive sees Status BUSY, not UNINITIALIZED (which CI's loaded run saw when the
+    server listened first), and the model then loads and serves."""
+    from app.localai import MossTTSBackend, ServerDefaults
+
+    backend = MossTTSBackend(ServerDefaults(voices_dir=tmp_path / "v", device=TEST_DEVICE))
+    at_listen = []
+    backend.preload(full_bundle_dir, listen=lambda: at_listen.append(backend.Status(pb.HealthMessage(), None).state))
+    try:
+        assert at_listen == [pb.StatusResponse.BUSY]
+        deadline = time.monotonic() + 60
+        while backend.Status(pb.HealthMessage(), None).state != pb.StatusResponse.READY:
+            assert time.monotonic() < deadline, "not READY after 60 s"
+            time.sleep(0.05)
+    finally:
+        backend.close()
+
+
+def test_sigterm_while_the_bundle_loads_exits_0(tmp_path, full_bundle_dir):
+    """SIGTERM while --bundle's model is still loading: the process exits 0 with no traceback. The load
+    cannot be interrupted; the interpreter's teardown meeting it inside onnxruntime aborted the process
+    ("terminate called without an active exception", status -6: CI's loaded run)."""
+    for attempt in range(5):
+        b = Backend(tmp_path / f"cut{attempt}.log", "--bundle", str(full_bundle_dir), "--voices-dir", str(tmp_path / "v"))
+        try:
+            b.wait_ready()
+            loading = b.stub.Status(pb.HealthMessage(), timeout=RPC_TIMEOUT).state == pb.StatusResponse.BUSY
+            b.proc.send_signal(signal.SIGTERM)
+            status = b.proc.wait(timeout=120)
+        finally:
+            b.stop()
+        log = b.log()
+        assert status == 0 and "terminate called" not in log and "Traceback" not in log, f"exit {status}:\n{log[-3000:]}"
+        if loading and "ready in" not in log:          # the signal met the load in progress, which never ended
+            return
+    pytest.fail("the model was ready before each of 5 signals: no load was cut, nothing was tested")
 
 
 # ---------------------------------------------------------------------------------------------- auth

@@ -339,13 +339,20 @@ class MossTTSBackend(pb_grpc.BackendServicer):
         self._voice_cache: collections.OrderedDict[tuple, np.ndarray] = collections.OrderedDict()
 
     # ------------------------------------------------------------------ lifecycle
-    def preload(self, bundle: str | Path) -> None:
+    def preload(self, bundle: str | Path, *, listen: Callable[[], None] = lambda: None) -> None:
         """Start loading ``bundle`` in the background (``mossrt localai --bundle``): Health answers at once,
-        LoadModel naming the same bundle waits for it."""
+        LoadModel naming the same bundle waits for it. ``listen`` (the server's start) runs once the bundle
+        is checked and registered, before its model starts loading, under the load lock: the first call
+        already sees it (Status BUSY, TTS "still loading"), no LoadModel comes between, and the listener does
+        not wait on the load. It runs when the bundle is refused too (then _LoadFailed is raised)."""
         path = Path(bundle).expanduser()
         config = LoadConfig(model="", candidates=(path,))
         with self._lock:
-            self._start_locked(config, path.resolve(), identity="")
+            try:
+                loaded = self._start_locked(config, path.resolve(), identity="", start=False)
+            finally:
+                listen()
+            loaded.service.start()
 
     def close(self) -> None:
         """Shutdown: free the model without waiting for a load in progress (its thread is a daemon)."""
@@ -368,8 +375,9 @@ class MossTTSBackend(pb_grpc.BackendServicer):
             problems = "; ".join(f"{'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors()[:5])
             raise _LoadFailed(f"invalid settings: {problems}") from None
 
-    def _start_locked(self, cfg: LoadConfig, bundle_dir: Path, identity: str) -> _Loaded:
-        """Replace the loaded model by ``bundle_dir`` (checked first: a bad bundle leaves the old model)."""
+    def _start_locked(self, cfg: LoadConfig, bundle_dir: Path, identity: str, start: bool = True) -> _Loaded:
+        """Replace the loaded model by ``bundle_dir`` (checked first: a bad bundle leaves the old model);
+        ``start``: its load begins now (else the caller starts it)."""
         settings = self._settings(cfg, bundle_dir)
         try:
             bundle = Bundle(bundle_dir, device=settings.device, threads=settings.threads or None)
@@ -385,7 +393,8 @@ class MossTTSBackend(pb_grpc.BackendServicer):
             raise _LoadFailed(str(e)) from None
         log.info("loading %s (device %s)%s", bundle_dir, bundle.device,
                  ": DEMO bundle, random weights, the audio is noise" if bundle.is_demo else "")
-        service.start()
+        if start:
+            service.start()
         self._loaded = _Loaded(service, bundle_dir, cfg, identity)
         return self._loaded
 
@@ -814,7 +823,8 @@ def serve(addr: str, *, bundle: str | Path | None = None, exporter: Exporter | N
           demo_bundle: Callable[[], Path] | None = None, defaults: ServerDefaults | None = None,
           max_workers: int | None = None, grace: float = DEFAULT_GRACE_SECONDS) -> None:
     """Serve until SIGTERM/SIGINT (call from the main thread), then stop gracefully: running calls get
-    ``grace`` seconds, the rest are cancelled, and the model is freed."""
+    ``grace`` seconds, the rest are cancelled, and the model is freed. A model still loading goes on on its
+    daemon thread: the caller ends the process without the interpreter's teardown (``mossrt localai`` does)."""
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     backend = MossTTSBackend(defaults, exporter=exporter, demo_bundle=demo_bundle)
@@ -823,14 +833,15 @@ def serve(addr: str, *, bundle: str | Path | None = None, exporter: Exporter | N
     stop = threading.Event()
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
-        server.start()
-        log.info("%s backend listening on %s (port %d, %d workers%s)", BACKEND_NAME, addr, port,
-                 max_workers or max_workers_from_env(), ", bearer token required" if os.environ.get(AUTH_ENV) else "")
-        if bundle is not None:
+        if bundle is None:
+            server.start()
+        else:
             try:
-                backend.preload(bundle)
+                backend.preload(bundle, listen=server.start)
             except _LoadFailed as e:
                 log.error("loading %s failed: %s (LoadModel can load another)", bundle, e)
+        log.info("%s backend listening on %s (port %d, %d workers%s)", BACKEND_NAME, addr, port,
+                 max_workers or max_workers_from_env(), ", bearer token required" if os.environ.get(AUTH_ENV) else "")
         while not stop.wait(0.5):
             pass
         gate.close()                             # before the line below: a call after it is refused
