@@ -7,7 +7,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from .commands import CliError, cmd_export, ensure_demo_bundle
+from .commands import CliError, cmd_export, ensure_demo_bundle, progress
+from .fd_limit import raise_open_files_limit
 from .serve import exit_now
 
 
@@ -27,6 +28,8 @@ def cmd_localai(args) -> None:
         raise CliError(f"--grace must be >= 0, got {args.grace}")
     defaults = ServerDefaults(voices_dir=args.voices_dir, max_streams=args.max_streams, device=args.device,
                               threads=args.threads)
+    if (raised := raise_open_files_limit()) is not None:
+        progress("open-file limit (RLIMIT_NOFILE) raised from %d to %d" % raised)
     try:
         serve(args.addr, bundle=args.bundle, exporter=export_checkpoint, demo_bundle=ensure_demo_bundle,
               defaults=defaults, grace=args.grace)

@@ -9,6 +9,7 @@ import typing
 from pathlib import Path
 
 from .commands import CliError, ensure_demo_bundle, progress
+from .fd_limit import raise_open_files_limit
 
 FLUSH_SECONDS = 3     # after the drain: responses already generated finish sending, then the process exits
 EXIT_MARGIN_S = 1.0   # of those: what the end needs after the sending (connections cut, the lifespan's end, the exit)
@@ -66,6 +67,8 @@ def cmd_serve(args) -> None:
     configure_logging(settings)
     app = create_app(settings, bundle)
     log = logging.getLogger("mossrt.app")
+    if (raised := raise_open_files_limit()) is not None:
+        log.info("open-file limit (RLIMIT_NOFILE) raised from %d to %d", *raised)
     if bundle.refusal:
         log.error("the bundle cannot be served on the requested device (/ready says so): %s", bundle.refusal)
     log.info("listening on http://%s:%d (%s bundle %s, device %s: %s)", settings.host, settings.port,

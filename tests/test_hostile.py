@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 import soundfile as sf
 
-from service_helpers import Server, wait_for
+from service_helpers import Backend, Server, wait_for
 from transports import LONG
 
 BODY_TIMEOUT_S = 3
@@ -292,6 +292,34 @@ def test_more_idle_sockets_than_descriptors(demo_bundle_dir, tmp_path):
         wait_for(lambda: _answers(s.base + "/health"), 60, "/health answers once the idle sockets closed")
         added = s.log()[len(log_before):]
         assert "Traceback" not in added and " ERROR " not in added, added[-3000:]
+
+
+def _open_files_limit(pid: int) -> tuple[int, int]:
+    line = next(x for x in Path(f"/proc/{pid}/limits").read_text().splitlines() if x.startswith("Max open files"))
+    soft, hard = line.split()[3:5]
+    return int(soft), int(hard)
+
+
+@pytest.mark.parametrize("command", ["serve", "localai"])
+def test_a_server_starts_with_its_soft_descriptor_limit_raised(command, demo_bundle_dir, tmp_path):
+    """Started with a soft descriptor limit of 256 under a higher hard one (a common shell default is 1,024
+    of 524,288), ``mossrt serve`` and ``mossrt localai`` raise the soft limit to the hard one and say so,
+    so the limit of docs/operations.md is the hard one, not the shell's."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard <= 256:
+        pytest.skip(f"the hard descriptor limit here is {hard}: nothing to raise to")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))      # inherited by the child, restored at once
+    try:
+        if command == "serve":
+            proc = Server(demo_bundle_dir, tmp_path / "v", tmp_path / "s.log")
+        else:
+            proc = Backend(tmp_path / "s.log", "--bundle", str(demo_bundle_dir))
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    with proc:
+        want = min(hard, 1 << 20) if hard != resource.RLIM_INFINITY else 1 << 20
+        assert _open_files_limit(proc.proc.pid)[0] == want
+        proc.wait_log(rf"open-file limit \(RLIMIT_NOFILE\) raised from 256 to {want}", 30)
 
 
 def _answers(url: str) -> bool:
