@@ -61,7 +61,7 @@ def test_gpu_check_smoke_on_cpu_writes_every_stage(tmp_path):
 
 # ---------------------------------------------------------------------------------------------- the H200 window
 REPO = SCRIPT.parent.parent
-H200_ARCHIVE_MIB = 111.9       # docs/gpu.md: the stripped H200 wheelhouse (36 wheels) at this commit
+H200_ARCHIVE_MIB = 113.8       # docs/gpu.md: the stripped H200 wheelhouse (48 wheels, the normalizer's included)
 
 
 def h200_parts(parts_dir: Path, part_mib: float) -> dict:
@@ -102,9 +102,9 @@ def plan_in_repo(part_mib: float | None, *extra: str) -> tuple[subprocess.Comple
 
 
 def test_the_h200_wheelhouse_goes_in_three_transfers_within_the_device_budget():
-    """The documented H200 wheelhouse in `--part-mib auto` parts travels in at most 3 transfers, each under
-    64 MiB with the tree as it travels today (measured now), and the plan prints its device time against the
-    15-minute budget, within it."""
+    """The documented H200 wheelhouse in `--part-mib auto` parts (4: three full and a small rest) travels in
+    at most 3 transfers, each under 64 MiB with the tree as it travels today (measured now), and the plan
+    prints its device time against the 15-minute budget, within it."""
     import re
 
     sys.path.insert(0, str(REPO / "scripts"))
@@ -114,7 +114,7 @@ def test_the_h200_wheelhouse_goes_in_three_transfers_within_the_device_budget():
     assert proc.returncode == 0, proc.stdout + proc.stderr
     repo_mib = plan.travelling_bytes(REPO) / plan.MIB
     sizes = [float(m) for m in re.findall(r"transfer \d/(?:\d): ([\d.]+) MiB", proc.stdout)]
-    assert 1 <= len(sizes) <= 3 and len(manifest["parts"]) <= 3, proc.stdout
+    assert 1 <= len(sizes) <= 3, proc.stdout             # a small last part rides with another
     assert all(s < 64 and s >= repo_mib for s in sizes), (sizes, repo_mib)
     line = re.search(r"device time: start (\d+) s \+ (\d) transfer\(s\) .* = ([\d.]+) s of the 900 s budget "
                      r"\(spare ([\d.]+) s\)", proc.stdout)
