@@ -43,8 +43,7 @@ def _span_of(got, rule: str) -> tuple[int, int]:
 
 
 def test_every_rule_has_an_example_in_english_and_every_rule_but_the_english_ones_in_mandarin():
-    english_only = {"ordinal", "plural", "unit"}   # Mandarin writes no ordinal or plural; no Mandarin unit names
-    # yet (a unit after a number stays as sent); "year" is Mandarin's 2024年
+    english_only = {"ordinal", "plural"}   # Mandarin writes no ordinal or plural; "year" is Mandarin's 2024年
     by_language = {lang: {e.rule for e in EXAMPLES if e.language == lang} for lang in ("en", "zh")}
     rules = {r.name for r in RULES}
     assert by_language["en"] == rules - {"year"}
@@ -70,6 +69,58 @@ def test_the_docs_table_is_the_generated_one():
     text = (ROOT / "docs" / "normalization.md").read_text(encoding="utf-8")
     m = re.search(r"<!-- normalization-table:begin -->\n(.*?)\n<!-- normalization-table:end -->", text, re.S)
     assert m and m.group(1) == table(), "docs/normalization.md's table differs: paste app.normalize.examples.table()"
+
+
+@pytest.mark.parametrize("sent, spoken", [
+    ("速度是30 km/h", "速度是三十公里每小时"),
+    ("气温-5°C，体温98.6°F", "气温负五摄氏度，体温九十八点六华氏度"),
+    ("重2kg，长3m，宽20cm", "重两公斤，长三米，宽二十厘米"),           # each unit Mandarin, not only the first
+    ("下载了4.7GB，约1,500 MB", "下载了四点七吉字节，约一千五百兆字节"),
+    ("容量500mL，用时45min，10s", "容量五百毫升，用时四十五分钟，十秒"),
+    ("耗电3kWh，时速60mph", "耗电三千瓦时，时速六十英里每小时"),
+    ("内存16KiB", "内存十六KiB"),                                   # no Mandarin name: the number alone
+])
+def test_mandarin_says_units_by_their_names(sent, spoken):
+    got = normalize(sent, Switches(unit_normalization=True))
+    assert got.spoken == spoken
+    assert {s.rule for s in got.segments} == ({"number"} if "KiB" in sent else {"unit"})
+
+
+@pytest.mark.parametrize("sent, spoken", [
+    ("It was -5°C", "It was minus five degrees Celsius"),            # the minus is the unit's, not left as "-"
+    ("1,500 km", "one thousand five hundred kilometers"),
+    ("the 2nd and 3rd, 5th", "the second and third, fifth"),         # not two nanodays, three rods, five thous
+])
+def test_english_units_take_the_whole_number_and_leave_ordinals(sent, spoken):
+    assert normalize(sent, Switches(unit_normalization=True)).spoken == spoken
+
+
+@pytest.mark.parametrize("sent, spoken", [
+    ("March 5, 2024", "March fifth, twenty twenty-four"),
+    ("on March 5th 2024.", "on March fifth, twenty twenty-four."),
+    ("5 March 2024", "the fifth of March, twenty twenty-four"),
+    ("2nd Dec. 1999", "the second of December, nineteen ninety-nine"),
+    ("In March 2024,", "In March twenty twenty-four,"),
+    ("Sept 1900", "September nineteen hundred"),
+    ("日期：March 5, 2024", "日期：二零二四年三月五日"),                 # in Mandarin, as the ISO form is
+])
+def test_dates_with_a_months_name_say_the_year_as_a_year(sent, spoken):
+    got = normalize(sent, Switches(unit_normalization=True))
+    assert got.spoken == spoken
+    assert [seg.rule for seg in got.segments] == ["date"]
+
+
+def test_a_months_name_date_reads_its_year_as_the_numeric_forms_do():
+    from app.normalize.languages import LANGUAGES
+
+    for year in ("1999", "2008", "2024", "1900"):
+        said = LANGUAGES["en"].year(year)
+        assert normalize(f"May 1, {year}").spoken == f"May first, {said}"
+        assert normalize(f"{year}-05-01").spoken == f"May first, {said}"
+        assert normalize(f"May {year}").spoken == f"May {said}"
+    # not a date: "may" is a verb, a 32nd day has no reading, and a day without a year is not claimed
+    assert normalize("you may 2024").spoken == "you may two thousand and twenty-four"
+    assert normalize("March 32, 2024").spoken == "March thirty-two, two thousand and twenty-four"
 
 
 def test_a_matched_phrase_without_a_reading_is_left_as_sent():

@@ -9,6 +9,7 @@ in the language around it (Mandarin where the nearest letter is a Han character,
 from __future__ import annotations
 
 import logging
+import re
 from dataclasses import dataclass, field
 
 from pydantic import BaseModel, ConfigDict, StrictBool
@@ -72,10 +73,17 @@ def _is_han(ch: str) -> bool:
 LANGUAGE_WINDOW = 64               # characters looked at on each side of a match for its language
 
 
+# a unit symbol written after a number (2kg, 30 km/h, 5°C) is Latin in either language: it does not tell which
+_UNIT_SYMBOL = re.compile(r"(?a)(?<=\d)\s?°?[A-Za-zµ]{1,4}(?:/[A-Za-z]{1,4})?\b")
+
+
 def language_at(text: str, start: int, end: int) -> str:
     """The language a match is said in: that of the nearest letter before it, else after it, within
-    LANGUAGE_WINDOW characters (Mandarin for a Han character), else English."""
-    for ch in (*reversed(text[max(0, start - LANGUAGE_WINDOW):start]), *text[end:end + LANGUAGE_WINDOW]):
+    LANGUAGE_WINDOW characters (Mandarin for a Han character), else English. The letters of a unit symbol after a
+    number are skipped, so that in 重2kg，500mL the 500mL is Mandarin."""
+    before = _UNIT_SYMBOL.sub("", text[max(0, start - LANGUAGE_WINDOW):start])
+    after = _UNIT_SYMBOL.sub("", text[end:end + LANGUAGE_WINDOW])
+    for ch in (*reversed(before), *after):
         if ch.isalpha():
             return "zh" if _is_han(ch) else "en"
     return "en"

@@ -31,6 +31,10 @@ EXAMPLES: tuple[Example, ...] = (
     Example("phone", "zh", "请拨打13812345678。", "请拨打一三八一二三四五六七八。"),
     Example("date", "en", "It opens on 2024-03-09.", "It opens on March ninth, twenty twenty-four."),
     Example("date", "en", "Due 12/25/2023", "Due December twenty-fifth, twenty twenty-three"),
+    Example("date", "en", "From March 5, 2024 to 9 May 2025", "From March fifth, twenty twenty-four to the ninth "
+            "of May, twenty twenty-five"),
+    Example("date", "en", "Since Sept 2010, not Dec. 1999", "Since September twenty ten, not December "
+            "nineteen ninety-nine"),
     Example("date", "zh", "日期是2024-03-09。", "日期是二零二四年三月九日。"),
     Example("year", "zh", "2008年8月8日", "二零零八年八月八日"),
     Example("time", "en", "We meet at 9:05 pm.", "We meet at nine oh five p m."),
@@ -44,6 +48,8 @@ EXAMPLES: tuple[Example, ...] = (
     Example("percent", "zh", "增长了12.5%", "增长了百分之十二点五"),
     Example("unit", "en", "A 10KB file at 30 km/h", "A ten kilobytes file at thirty kilometers per hour", _UNITS),
     Example("unit", "en", "1 kg, 5 in a row", "one kilogram, five in a row", _UNITS),
+    Example("unit", "zh", "速度是30 km/h，气温-5°C", "速度是三十公里每小时，气温负五摄氏度", _UNITS),
+    Example("unit", "zh", "重2kg，内存16GB，500mL", "重两公斤，内存十六吉字节，五百毫升", _UNITS),
     Example("ordinal", "en", "She came 21st.", "She came twenty-first."),
     Example("number", "en", "There are 48,213 of them, -7 and 3.14",
             "There are forty-eight thousand two hundred and thirteen of them, minus seven and three point one four"),

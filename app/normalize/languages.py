@@ -1,11 +1,13 @@
 """How each language says what the rules find: English on ``inflect`` (cardinals, ordinals, plurals) and
-``pint`` (unit names), Mandarin on ``cn2an``. Only what no library holds is written here: a few symbol and
-currency names, and how English reads a year."""
+``pint`` (unit names), Mandarin on ``cn2an`` (numbers) and ``pint`` (which unit a symbol is, split into its
+prefix and unit). Only what no library holds is written here: a few symbol, currency and Mandarin unit names,
+and how English reads a year."""
 
 from __future__ import annotations
 
 import calendar
 import functools
+import re
 
 import cn2an
 
@@ -13,6 +15,16 @@ import cn2an
 _EN_CURRENCY = {"$": (("dollar", "dollars"), ("cent", "cents")), "€": (("euro", "euros"), ("cent", "cents")),
                 "£": (("pound", "pounds"), ("penny", "pence")), "¥": (("yen", "yen"), ("sen", "sen"))}
 _ZH_CURRENCY = {"$": "美元", "€": "欧元", "£": "英镑", "¥": "元"}
+# Mandarin names of pint's units and prefixes (GB/T 3100's): a prefix's and a unit's (毫 + 升), or a whole name
+# where speech has its own (公里 and 公斤: 两千克 could be 2 kg or 2000 g)
+_ZH_UNITS = {"meter": "米", "gram": "克", "metric_ton": "吨", "pound": "磅", "ounce": "盎司", "mile": "英里",
+             "foot": "英尺", "inch": "英寸", "yard": "码", "liter": "升", "gallon": "加仑", "hectare": "公顷",
+             "degree_Celsius": "摄氏度", "degree_Fahrenheit": "华氏度", "kelvin": "开尔文", "byte": "字节",
+             "bit": "比特", "second": "秒", "minute": "分钟", "hour": "小时", "day": "天", "week": "周", "year": "年",
+             "watt": "瓦", "watt_hour": "瓦时", "ampere": "安", "ampere_hour": "安时", "volt": "伏", "hertz": "赫兹",
+             "joule": "焦耳", "calorie": "卡", "pascal": "帕", "kilometer": "公里", "kilogram": "公斤"}
+_ZH_PREFIXES = {"": "", "tera": "太", "giga": "吉", "mega": "兆", "kilo": "千", "hecto": "百", "centi": "厘",
+                "milli": "毫", "micro": "微", "nano": "纳"}
 LONGEST_NUMBER = 15             # digits of a whole number said as a number; a longer one is read digit by digit
 
 
@@ -53,6 +65,16 @@ def unit_name(symbol: str) -> str | None:
             continue
         if str(units):
             return str(units)
+    return None
+
+
+def _zh_unit_name(name: str) -> str | None:
+    """The Mandarin name of one of pint's unit names (``kilobyte`` -> 千字节), or None where it has none."""
+    if name in _ZH_UNITS:
+        return _ZH_UNITS[name]
+    for prefix, unit, suffix in _units().parse_unit_name(name):
+        if prefix in _ZH_PREFIXES and unit in _ZH_UNITS and not suffix:
+            return _ZH_PREFIXES[prefix] + _ZH_UNITS[unit]
     return None
 
 
@@ -111,8 +133,14 @@ class English:
             said += f" and {self.number(str(second))} second{'s' if second != 1 else ''}"
         return said + (f" {meridiem[0].lower()} m" if meridiem else "")
 
-    def date(self, year: int, month: int, day: int) -> str:
-        return f"{calendar.month_name[month]} {self.ordinal(str(day))}, {self.year(str(year))}"
+    def date(self, year: int, month: int, day: int | None, day_first: bool = False) -> str:
+        """March ninth, twenty twenty-four; written day first, the ninth of March, ...; without a day, March ...."""
+        month_name, year_said = calendar.month_name[month], self.year(str(year))
+        if day is None:
+            return f"{month_name} {year_said}"
+        if day_first:
+            return f"the {self.ordinal(str(day))} of {month_name}, {year_said}"
+        return f"{month_name} {self.ordinal(str(day))}, {year_said}"
 
     def unit(self, amount: str, name: str) -> str:
         """``5`` ``kilometer / hour`` -> five kilometers per hour (the word before "per" takes the plural)."""
@@ -161,11 +189,18 @@ class Mandarin:
             said += f"{self.number(str(second))}秒"
         return said
 
-    def date(self, year: int, month: int, day: int) -> str:
-        return f"{self.year(str(year))}年{self.number(str(month))}月{self.number(str(day))}日"
+    def date(self, year: int, month: int, day: int | None, day_first: bool = False) -> str:
+        """Year, month, day, however it was written (二零二四年三月九日); no day: 二零二四年三月."""
+        said = f"{self.year(str(year))}年{self.number(str(month))}月"
+        return said + (f"{self.number(str(day))}日" if day is not None else "")
 
     def unit(self, amount: str, name: str) -> str | None:
-        return None                       # no Mandarin unit names yet: the symbol is left as sent
+        """``5`` ``kilometer / hour`` -> 五公里每小时; None (the unit left as sent) for a unit without a name here."""
+        names = [_zh_unit_name(part) for part in re.split(r" / |_per_", name)]
+        if None in names:
+            return None
+        # a lone 2 before a measure is 两 (两公里), as cn2an does not say
+        return ("两" if amount == "2" else self.number(amount)) + "每".join(names)
 
 
 LANGUAGES = {"en": English(), "zh": Mandarin()}

@@ -6,6 +6,7 @@ it to the rules after it. ``switch`` is the field of the request's ``normalizati
 
 from __future__ import annotations
 
+import calendar
 import re
 from dataclasses import dataclass
 from typing import Callable, Iterator
@@ -108,6 +109,8 @@ def _say_currency(m, lang):
 
 def _say_unit(m, lang):
     symbol = m.group("unit")
+    if symbol in _ORDINAL_SUFFIXES:
+        return None                                # 5th is not five thous, 2nd not two nanodays
     if m.group("gap") and (symbol in _WORDS_NOT_UNITS or (symbol.isalpha() and symbol.islower() and len(symbol) > 3)):
         return None                                # a word ("5 in a row"), or a unit already written out
     name = unit_name(symbol)
@@ -117,10 +120,22 @@ def _say_unit(m, lang):
 
 
 def _say_date_any(m, lang):
-    if m.group("y") is None:                       # the US form's groups
+    if m.group("y") is not None:                   # ISO
+        return _say_date(m, lang)
+    if m.group("y2") is not None:                  # US: 1/15/2024
         year, month, day = int(m.group("y2")), int(m.group("mo2")), int(m.group("d2"))
         return lang.date(year, month, day) if 1 <= month <= 12 and 1 <= day <= 31 else None
-    return _say_date(m, lang)
+    return _say_named_month(m, lang)
+
+
+def _say_named_month(m, lang):
+    """March 5, 2024 / 5 March 2024 / March 2024: the year said as a year, as in the numeric forms."""
+    day = m.group("md") or m.group("dd")
+    if day is not None and not 1 <= int(day) <= 31:
+        return None
+    month = _MONTHS[m.group("mon") or m.group("mon2") or m.group("mon3")]
+    year = m.group("my") or m.group("dy") or m.group("yy")
+    return lang.date(int(year), month, int(day) if day else None, day_first=m.group("dd") is not None)
 
 
 def _say_time_any(m, lang):
@@ -135,7 +150,16 @@ def _say_time_any(m, lang):
 # short words pint also reads as units ("5 in a row", "at 3 am", "10 s"): a unit only when written onto its number
 _WORDS_NOT_UNITS = {"in", "at", "am", "pm", "a", "an", "as", "s", "m", "h", "g", "t", "B", "to", "min", "are", "ha"}
 
+_ORDINAL_SUFFIXES = {"st", "nd", "rd", "th"}
+
 _NUMBER = r"(?:\d{1,3}(?:,\d{3})+|\d+)"
+
+# English month names and their abbreviations (Mar, Mar.), capitalized: "may" is a verb
+_MONTHS = {name: i for i in range(1, 13) for name in (calendar.month_name[i], calendar.month_abbr[i])} | {"Sept": 9}
+_MONTH = "|".join(sorted(_MONTHS, key=len, reverse=True))       # March before Mar
+_NAMED_DATE = (rf"\b(?P<mon>{_MONTH})\b\.?\s+(?P<md>\d{{1,2}})(?:st|nd|rd|th)?,?\s+(?P<my>\d{{4}})\b"
+               rf"|\b(?P<dd>\d{{1,2}})(?:st|nd|rd|th)?\s+(?P<mon2>{_MONTH})\b\.?,?\s+(?P<dy>\d{{4}})\b"
+               rf"|\b(?P<mon3>{_MONTH})\b\.?,?\s+(?P<yy>\d{{4}})\b")
 
 RULES: tuple[Rule, ...] = (
     Rule("email", "email_normalization", "e-mail addresses, symbol by symbol",
@@ -143,9 +167,9 @@ RULES: tuple[Rule, ...] = (
     Rule("url", "url_normalization", "web addresses, without the scheme", _url_find, _say_url),
     Rule("phone", "phone_normalization", "phone numbers (phonenumbers' matcher), digit by digit",
          _phone_find, _say_phone),
-    Rule("date", None, "dates: ISO (2024-01-15) and US (1/15/2024)",
-         _regex(r"\b(?P<y>\d{4})-(?P<mo>\d{1,2})-(?P<d>\d{1,2})\b|\b(?P<mo2>\d{1,2})/(?P<d2>\d{1,2})/(?P<y2>\d{4})\b"),
-         _say_date_any),
+    Rule("date", None, "dates: ISO (2024-01-15), US (1/15/2024) and with a month's name (March 5, 2024)",
+         _regex(r"\b(?P<y>\d{4})-(?P<mo>\d{1,2})-(?P<d>\d{1,2})\b|\b(?P<mo2>\d{1,2})/(?P<d2>\d{1,2})/(?P<y2>\d{4})\b|"
+                + _NAMED_DATE), _say_date_any),
     Rule("year", None, "Mandarin years (2024年)", _regex(r"(?P<y>\d{4})(?=年)"), _say_zh_year),
     Rule("time", None, "clock times (3:30, 15:05:09, 3:30 pm, 7 am)",
          _regex(r"\b(?P<h>\d{1,2})(?::(?P<m>\d{2})(?::(?P<s>\d{2}))?(?:\s?(?P<ap>[AaPp])\.?[Mm]\b)?|"
@@ -155,8 +179,9 @@ RULES: tuple[Rule, ...] = (
                 r"(?:\s(?P<scale>thousand|million|billion|trillion)\b)?", re.I), _say_currency),
     Rule("percent", None, "percentages", _regex(r"(?<![\w.])(?P<n>-?" + _NUMBER + r"(?:\.\d+)?)\s?%"),
          lambda m, lang: lang.percent(m.group("n"))),
-    Rule("unit", "unit_normalization", "units after a number (pint's names: 10KB, 5 km/h, 20°C)",
-         _regex(r"(?<![\w.])(?P<n>\d+(?:\.\d+)?)(?P<gap>\s?)(?P<unit>°[CF]|[A-Za-zµ]+(?:/[A-Za-z]+)?)\b"), _say_unit),
+    Rule("unit", "unit_normalization", "units after a number, by name (pint's units: 10KB, 5 km/h, -5°C)",
+         _regex(r"(?<![\w.,])(?P<n>-?" + _NUMBER + r"(?:\.\d+)?)(?P<gap>\s?)"
+                r"(?P<unit>°[CF]|[A-Za-zµ]+(?:/[A-Za-z]+)?)\b"), _say_unit),
     Rule("ordinal", None, "English ordinals (21st)", _regex(r"\b(?P<n>\d+)(?:st|nd|rd|th)\b"),
          lambda m, lang: lang.ordinal(m.group("n")) if lang.code == "en" else None),
     Rule("number", None, "numbers, with thousands separators, decimals and a minus sign (over 15 digits: digit by digit)",
