@@ -1,6 +1,6 @@
-"""SillyTavern's and LibreChat's OpenAI-compatible TTS, against a real ``mossrt serve`` (demo bundle): neither
-installs here (both are Node.js servers), so each test sends exactly the request their code sends, headers
-included, and reads the answer as they do (docs/clients.md).
+"""SillyTavern's and LibreChat's OpenAI-compatible TTS and n8n's HTTP Request node, against a real ``mossrt serve``
+(demo bundle): none installs here (all are Node.js servers), so each test sends exactly the request their code
+sends, headers included, and reads the answer as they do (docs/clients.md).
 
 - SillyTavern (``public/scripts/extensions/tts/openai-compatible.js`` and the ``/api/openai/custom/generate-voice``
   proxy of ``src/endpoints/openai.js``): POSTs to the "Provider Endpoint" as entered, ``Authorization: Bearer
@@ -10,10 +10,15 @@ included, and reads the answer as they do (docs/clients.md).
 - LibreChat (``api/server/services/Files/Audio/TTSService.js``, ``speech.tts.openai`` of librechat.yaml):
   POSTs to ``url`` ``{input, model, voice}``, ``Authorization: Bearer <apiKey>`` (the string ``undefined``
   when no apiKey is set), streams the answer into its player as ``audio/mpeg``.
+- n8n's HTTP Request node (n8n-nodes-base 2.41, ``nodes/HttpRequest/V3/HttpRequestV3.node.js``), set up as
+  docs/clients.md says: the JSON body as entered, Header Auth's header as entered, and the ``accept`` header of
+  its default (auto-detected) response format; an ``application/json`` answer is parsed, an ``audio/*`` one
+  becomes a binary file.
 """
 
 from __future__ import annotations
 
+import base64
 import io
 
 import av
@@ -25,6 +30,9 @@ from test_clients_openai import KEY, keyed, server, upload  # noqa: F401 - fixtu
 
 PREVIEW = "The quick brown fox jumps over the lazy dog"          # SillyTavern's en-US voice preview
 SILLYTAVERN_VOICES = ["alloy", "echo", "fable", "onyx", "nova", "shimmer"]   # its default "Available Voices"
+N8N_TEXT = "Your parcel left the warehouse this morning and arrives on Friday."
+N8N_ACCEPT = ("application/json,text/html,application/xhtml+xml,application/xml,text/*;q=0.9, image/*;q=0.8, "
+              "*/*;q=0.7")                                       # the node's accept for an auto-detected response
 
 
 def mp3_seconds(data: bytes) -> float:
@@ -50,6 +58,13 @@ def librechat(server, voice: str, api_key: str | None, model: str = "tts-1") -> 
         assert r.status_code == 200, r.read()
         assert r.headers["content-type"] == "audio/mpeg"
         return b"".join(r.iter_bytes())
+
+
+def n8n(server, path: str, body: dict, key: str | None) -> httpx.Response:
+    headers = {"accept": N8N_ACCEPT, "content-type": "application/json"}
+    if key is not None:
+        headers["Authorization"] = f"Bearer {key}"                 # Header Auth: name Authorization, value Bearer KEY
+    return httpx.post(server.base + path, headers=headers, json=body, timeout=180)
 
 
 @pytest.mark.parametrize("voice", SILLYTAVERN_VOICES)
@@ -88,3 +103,29 @@ def test_librechat_with_an_api_key(keyed):
     r = httpx.post(keyed.base + "/v1/audio/speech", headers={"Authorization": "undefined"}, timeout=60,
                    json={"input": "Hello.", "model": "tts-1", "voice": "nova"})
     assert r.status_code == 401
+
+
+def test_n8n_captioned_speech(keyed):
+    """The n8n node of docs/clients.md: Kokoro's ``/dev/captioned_speech`` with ``"stream": false``. One JSON object
+    (n8n parses it): ``audio`` a base64 MP3 (what its Convert to File node decodes), ``timestamps`` every word of
+    the input once, in order, within the audio. Without the header: 401."""
+    body = {"input": N8N_TEXT, "voice": "default", "response_format": "mp3", "stream": False}
+    r = n8n(keyed, "/dev/captioned_speech", body, key=KEY)
+    assert r.status_code == 200, r.text
+    assert r.headers["content-type"].startswith("application/json")
+    seconds = mp3_seconds(base64.b64decode(r.json()["audio"]))
+    words = r.json()["timestamps"]
+    assert [w["word"] for w in words] == N8N_TEXT.split()
+    assert [w["start_time"] for w in words] == sorted(w["start_time"] for w in words)
+    assert all(0 <= w["start_time"] <= w["end_time"] <= seconds + 1e-3 for w in words), (words, seconds)
+    assert n8n(keyed, "/dev/captioned_speech", body, key=None).status_code == 401
+
+
+def test_n8n_openai_speech_is_one_file(keyed):
+    """Plain audio from the node: ``/v1/audio/speech`` with ``"stream": false`` is one ``audio/mpeg`` body with its
+    Content-Length (n8n makes it a binary file by that type)."""
+    r = n8n(keyed, "/v1/audio/speech", {"model": "tts-1", "input": N8N_TEXT, "voice": "default",
+                                        "response_format": "mp3", "stream": False}, key=KEY)
+    assert r.status_code == 200, r.text
+    assert r.headers["content-type"] == "audio/mpeg" and "transfer-encoding" not in r.headers
+    assert r.headers["content-length"] == str(len(r.content)) and mp3_seconds(r.content) > 0

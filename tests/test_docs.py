@@ -1,11 +1,12 @@
 """The documentation says what the code does: every relative link in the README and ``docs/`` leads to a file
 (and a heading, where it names one), every ``--flag`` they mention is a flag of one of our commands (or of a
-named outside tool), the table of settings and the error catalogue are the ones the code generates, and the
-README stays a five-minute read that keeps its two set-up commands."""
+named outside tool), every test they name is a test of that file, the table of settings and the error catalogue
+are the ones the code generates, and the README stays a five-minute read that keeps its two set-up commands."""
 
 from __future__ import annotations
 
 import argparse
+import ast
 import re
 import subprocess
 import sys
@@ -22,6 +23,9 @@ FLAG = re.compile(r"(?<![\w-])--[a-z][a-z0-9-]+")
 OUTSIDE_FLAGS = {"--no-index", "--find-links", "--only-binary", "--platform", "--ignore-installed", "--dry-run",
                  "--report", "--system-site-packages", "--format", "--gpus", "--secret", "--create-namespace",
                  "--external-grpc-backends", "--list-elf", "--help"}
+# a test as the docs name it: `tests/test_x.py`, `tests/test_x.py::test_y[id]`, or a bare `test_y`
+TEST_FILE = re.compile(r"(tests/[\w/.-]+\.py)(?:::(\w+(?:::\w+)*)(?:\[[^\]]*\])?)?")
+TEST_NAME = re.compile(r"(test_\w+)(?:\[[^\]]*\])?")
 SETUP = ["python3 -m venv .venv && .venv/bin/pip install -e '.[cpu]' && .venv/bin/mossrt serve",
          "python3 -m venv .venv && .venv/bin/pip install -e '.[cpu,test]' && .venv/bin/python -m pytest -q"]
 
@@ -58,6 +62,49 @@ def test_every_relative_link_leads_somewhere(page):
 def test_every_doc_is_reached_from_the_readme():
     reached = {(ROOT / t.partition("#")[0]).resolve() for t in links(ROOT / "README.md") if t.partition("#")[0]}
     assert not [d.name for d in DOCS if d.resolve() not in reached]
+
+
+def named_tests(page: Path) -> list[tuple[str | None, str | None, str]]:
+    """(file, test, as written) for each test a page names in a code span. A bare ``test_y`` in clients.md (whose
+    every line names the test beside it) is of the test file named last above it in its section; elsewhere, or
+    with none above it, of any test file (file None)."""
+    found, current = [], None
+    text = re.sub(r"```.*?```", "", page.read_text(encoding="utf-8"), flags=re.S)
+    for m in re.finditer(r"^#{1,6} .*$|`([^`]+)`", text, flags=re.M):
+        span = m.group(1)
+        if span is None:                                         # a heading: a new section
+            current = None
+        elif named := TEST_FILE.fullmatch(span):
+            if Path(named.group(1)).name.startswith("test_"):
+                current = named.group(1)
+            found.append((named.group(1), named.group(2), span))
+        elif bare := TEST_NAME.fullmatch(span):
+            found.append((current if page.name == "clients.md" else None, bare.group(1), span))
+    return found
+
+
+def defined_tests(path: Path) -> set[str]:
+    """The test functions of a test file, as pytest names them (``test_x``, ``TestY::test_x``)."""
+    names = set()
+    for node in ast.parse(path.read_text(encoding="utf-8")).body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name.startswith("test"):
+            names.add(node.name)
+        elif isinstance(node, ast.ClassDef) and node.name.startswith("Test"):
+            names |= {f"{node.name}::{f.name}" for f in node.body
+                      if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef)) and f.name.startswith("test")}
+    return names
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
+def test_every_named_test_exists(page):
+    every = set().union(*(defined_tests(path) for path in (ROOT / "tests").rglob("test_*.py")))
+    missing = []
+    for file, test, written in named_tests(page):
+        if file is not None and not (ROOT / file).is_file():
+            missing.append(f"{written} (no such file)")
+        elif test is not None and test not in (defined_tests(ROOT / file) if file else every):
+            missing.append(f"{written} (no such test in {file or 'tests/'})")
+    assert not missing, f"{page.name}: {missing}"
 
 
 def _options(parser: argparse.ArgumentParser) -> set[str]:
