@@ -131,9 +131,9 @@ class ServerSettings(BaseSettings):
     ws_max_buffered_chars: int = setting(8192, "text received but not yet spoken, per socket", ge=16,
                                          le=1_000_000)
     ws_max_turns: int = setting(200, "turns of one socket", ge=1, le=100_000)
-    ws_max_sessions: int = setting(1000, "open WebSocket sessions (ours and the ElevenLabs ones together) per "
-                                         "server: an idle one holds no slot, so this bounds them; more are "
-                                         "refused (too_many_sessions)", ge=1, le=1_000_000)
+    ws_max_sessions: int = setting(1000, "open WebSocket sessions (ours and the ElevenLabs ones) and Wyoming "
+                                         "connections together per server: an idle one holds no slot, so this "
+                                         "bounds them; more are refused (too_many_sessions)", ge=1, le=1_000_000)
     ws_max_contexts: int = setting(5, "open contexts of one ElevenLabs multi-context socket (ElevenLabs allows "
                                       "5)", ge=1, le=1000)
     # ElevenLabs-compatible routes: their clients send no sampling settings (a seed only as a query parameter)

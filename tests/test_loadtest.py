@@ -241,3 +241,32 @@ def test_voice_agent_calls(servers):
     assert len(turns) == 8 and all(r["status"] == "ok" and r["audio_s"] > 0 for r in turns), turns
     assert sorted((r["transport"], r["call"], r["turn"]) for r in turns) == sorted(
         (t, c, i) for t in ("ws", "elevenlabs") for c in (0, 1) for i in (0, 1))
+
+
+@pytest.fixture
+def two_slots(full_bundle_dir, tmp_path):
+    """2 stream slots, and a queue timeout no waiting turn reaches on a loaded machine: no refusal by the clock."""
+    server = Server(full_bundle_dir, tmp_path / "voices", tmp_path / "two.log", "--max-streams", "2",
+                    "--queue-timeout", "120")
+    try:
+        yield server.wait_ready()
+    finally:
+        assert server.stop() == 0, server.log()[-3000:]
+
+
+def test_voice_agent_calls_outnumbering_the_slots(two_slots):
+    """6 calls on 2 slots, over both sockets: a call's context holds its slot from its first turn until it
+    hangs up, so a third call open at once speaks before another hangs up only by parking an idle one (the
+    calls' starts are spread over one turn and gap, and each lasts at least a turn's playback and a gap, so all
+    six overlap). Every call is served, nothing is refused, and the report counts the server's parks (without
+    parking every call is still served, each waiting for another to hang up: parks is then 0)."""
+    report = loadtest_run(["--url", two_slots.base, "--calls", "6", "--turns", "2", "--call-s", "600",
+                           "--talk-s", "0.5", "--gap-s", "1", "--keepalive-s", "0.5", "--transport", "ws,elevenlabs",
+                           *COMMON])
+    assert not report["aborted"] and not report["deadline_hit"]
+    assert [s["transport"] for s in report["levels"]] == ["ws", "elevenlabs"]
+    for s in report["levels"]:
+        v = s["voice_agent"]
+        assert (v["calls"], v["served"], v["rejected"], v["failed"]) == (6, 6, 0, 0), v
+        assert v["turns"] == v["turns_ok"] == v["turns_complete"] == 12 and v["turns_429"] == 0, v
+        assert v["parks"] >= 1 and v["resumes"] <= v["parks"] and v["parked_evictions"] == 0, v

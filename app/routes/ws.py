@@ -1,8 +1,9 @@
 """``WS /v1/audio/speech/stream``: text in as it is written, audio out as it is generated, many turns.
 
 JSON text frames with a ``type`` both ways; audio as binary frames. One connection is one conversation: its
-multi-turn context (the KV cache) lives as long as the connection. This module parses the messages and
-renders the events; the session's life and every bound are :mod:`app.session`'s. See docs/api-websocket.md.
+multi-turn context (the KV cache) lives as long as the connection, in a slot or parked between turns. This
+module parses the messages and renders the events; the session's life and every bound are
+:mod:`app.session`'s. See docs/api-websocket.md.
 """
 
 from __future__ import annotations
@@ -212,7 +213,7 @@ class OurSession(WireSession):
     async def on_text(self, data: dict) -> None:
         msg = TextInput.model_validate(data)
         if msg.text == "":
-            self.keepalive()                             # no text: opens no turn, moves no clock
+            self.keepalive()                             # no text: opens no turn, moves only the idle clock
             return
         Conversation.check_text(msg.text)                # refused before it can open (and count) a turn
         self._refuse_text_of_refused_turn()

@@ -59,8 +59,9 @@ class Conversation:
     # ------------------------------------------------------------------ turns
     async def begin_turn(self, params: SamplingParams, user_text: str = "", user_audio=None,
                          max_frames: int | None = None) -> None:
-        """Open a turn, waiting for a stream slot (the queue timeout) at the stream's first turn. Raises the
-        catalogue's error: ``max_turns``, ``no_capacity``, ``input_too_long``, ``draining``..."""
+        """Open a turn, waiting for a stream slot (the queue timeout) unless the stream still holds one (a
+        parked stream takes one again). Raises the catalogue's error: ``max_turns``, ``no_capacity``,
+        ``input_too_long``, ``draining``..."""
         if self.turns >= self.policy.max_turns:
             raise ApiError("max_turns", f"this session reached its {self.policy.max_turns} turns")
         self.context_lost = False

@@ -17,6 +17,7 @@ import argparse
 import base64
 import copy
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -100,6 +101,19 @@ def is_gpu_resource(name: str) -> bool:
     return name.startswith("nvidia.com/") or name.startswith("amd.com/") or "gpu" in name.lower()
 
 
+def adapter_rule() -> dict:
+    """The prometheus-adapter rule helm/README.md gives for the HPA's Pods metric (its yaml block that starts
+    with ``# prometheus-adapter values``): the adapter is not part of the chart, so the README is its source."""
+    readme = Path(__file__).resolve().parents[1] / "README.md"
+    m = re.search(r"```yaml\n(# prometheus-adapter values\n.*?)```", readme.read_text(), re.S)
+    if m is None:
+        raise CheckFailed(f"no prometheus-adapter values block in {readme}")
+    rules = yaml.safe_load(m.group(1))["rules"]["custom"]
+    if len(rules) != 1:
+        raise CheckFailed(f"{readme}: one prometheus-adapter rule expected, got {len(rules)}")
+    return rules[0]
+
+
 # ------------------------------------------------------------------ the checks
 
 def check_manifests(c: Checker, docs: list[dict], v: dict, chart: dict) -> list[str]:
@@ -173,6 +187,12 @@ def check_manifests(c: Checker, docs: list[dict], v: dict, chart: dict) -> list[
         # unset: absent, so the server's own default (decided by the bundle's placement) applies
         want = v["server"].get(key) or None
         c.eq(env_value(main, name), want, f"env {name}")
+    for key, name in (("parkedContextBytes", "MOSSRT_PARKED_CONTEXT_BYTES"),
+                      ("wsMaxSessions", "MOSSRT_WS_MAX_SESSIONS")):
+        # null: absent (the server's default); set: the integer as the server parses it, never a float's
+        # rendering (helm reads numbers as float64: 2147483648 would print as 2.147483648e+09)
+        want = v["server"].get(key)
+        c.eq(env_value(main, name), None if want is None else str(int(want)), f"env {name}")
     for e in env.values():
         c.ok(e["name"] != "MOSSRT_EXPORT_MODEL", "the server container must not export at start (init container does)")
 
@@ -440,7 +460,18 @@ def check_manifests(c: Checker, docs: list[dict], v: dict, chart: dict) -> list[
         hs = h["spec"]
         c.eq(hs["scaleTargetRef"]["name"], dep["metadata"]["name"], "HPA scaleTargetRef")
         pods_metrics = [m["pods"] for m in hs["metrics"] if m["type"] == "Pods"]
-        c.eq([m["metric"]["name"] for m in pods_metrics], ["mossrt_generating_streams"], "HPA Pods metric")
+        c.eq([m["metric"]["name"] for m in pods_metrics], [a["hpa"]["metricName"]], "HPA Pods metric")
+        # the metric is the README's prometheus-adapter rule: per pod, generating turns + waiting streams (the
+        # KEDA query's load), never open sockets (an idle conversation gives its slot up to a waiter)
+        rule = adapter_rule()
+        c.eq(rule["name"]["as"], a["hpa"]["metricName"], "HPA Pods metric vs the README's prometheus-adapter rule")
+        c.eq(rule["resources"]["overrides"], {"namespace": {"resource": "namespace"}, "pod": {"resource": "pod"}},
+             "prometheus-adapter rule resources")
+        q = rule["metricsQuery"]
+        c.ok("mossrt_generating_streams" in q and "mossrt_queued_streams" in q and "mossrt_active_streams" not in q,
+             f"prometheus-adapter query is not on generating turns + waiting streams: {q}")
+        c.ok(q.startswith("sum by (<<.GroupBy>>) (") and "<<.LabelMatchers>>" in q,
+             f"prometheus-adapter query is not one sum per pod over the matched series: {q}")
         c.eq(pods_metrics[0]["target"], {"type": "AverageValue", "averageValue": str(a["hpa"]["targetAverageValue"])},
              "HPA Pods metric target")
         if a["hpa"].get("cpuAverageUtilization") is not None:
@@ -518,7 +549,8 @@ def check_manifests(c: Checker, docs: list[dict], v: dict, chart: dict) -> list[
 PURPOSE = {
     "default": {"gpu.enabled": False, "ingress.enabled": False, "httpRoute.enabled": False,
                 "autoscaling.enabled": False, "export.enabled": True, "wyoming.enabled": False},
-    "cpu-values": {"gpu.enabled": False, "server.device": "", "wyoming.enabled": True},
+    "cpu-values": {"gpu.enabled": False, "server.device": "", "wyoming.enabled": True,
+                   "server.parkedContextBytes": 2147483648, "server.wsMaxSessions": 200},
     "gpu-values": {"gpu.enabled": True},
     "ingress-values": {"ingress.enabled": True, "ingress.nginx": True},
     "noingress-values": {"ingress.enabled": False, "httpRoute.enabled": False},
