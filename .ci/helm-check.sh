@@ -138,8 +138,12 @@ expect_refused "export + bundleImage together" --set export.enabled=true --set b
     --set bundleImage.repository=x
 expect_refused "an unknown autoscaling.kind" --set autoscaling.enabled=true --set autoscaling.kind=vpa
 expect_refused "an HTTPRoute without parentRefs" --set httpRoute.enabled=true
+# longer than drainTimeout (280) alone, shorter than the drain window: preStop 10 + 280 + 3 s of flush = 293
+expect_refused "a terminationGracePeriodSeconds shorter than the drain window" --set terminationGracePeriodSeconds=290
 expect_refused "a string for gpu.enabled (values.schema.json)" --set-string gpu.enabled=yes
 expect_refused "a boolean for server.cudaGraphs (values.schema.json)" --set server.cudaGraphs=true
+# a unit string would render as 0 through int64: the schema takes bytes as an integer only
+expect_refused "a string for server.parkedContextBytes (values.schema.json)" --set-string server.parkedContextBytes=8Gi
 
 # ---------------------------------------------------------------- render checks
 log "render checks ($PYTHON)"

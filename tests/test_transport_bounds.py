@@ -25,6 +25,8 @@ from service_helpers import (Backend, Server, assert_same_audio, body_of, metric
 from transports import (BY_NAME, HTTP_TRANSPORTS, KEY, LONG, WS_TRANSPORTS, raw_upgrade, server_frames,
                         small_buffer_socket, ws_messages)
 from transports import WYOMING, wyoming_connect, wyoming_error, wyoming_events, wyoming_opening, wyoming_send
+from transports import (ENHANCE_YOUR_CALM, H2_ACK, H2_CONTINUATION, H2_DATA, H2_END_HEADERS, H2_END_STREAM, H2_GOAWAY,
+                        H2_HEADERS, H2_PING, H2_PREFACE, H2_SETTINGS, grpc_request_head, h2_frame, h2_frames, hpack_int)
 
 SLOT_BOUND_S = 10        # a freed slot shows in /metrics within this (generous: the machine is shared)
 STALL_S, TEXT_S, IDLE_S = 2, 2, 6
@@ -510,13 +512,20 @@ def _hostile_head(server, first_line: bytes, pieces) -> tuple[bytes, bool]:
     return got.get("answer", b""), got.get("closed", False)
 
 
-@pytest.mark.parametrize("name", [t.name for t in HTTP_TRANSPORTS] + WS_NAMES)
-def test_a_request_head_is_bounded(server, name):
+@pytest.mark.parametrize("name", [t.name for t in HTTP_TRANSPORTS] + WS_NAMES + ["localai", WYOMING])
+def test_a_request_head_is_bounded(request, name):
     """1,000,000 header fields, one 8 MiB header value, an 8 MiB URL — no key sent: each is answered 431
     ``header_fields_too_large`` or 414 ``uri_too_long`` in the route's error shape (the key is never looked
     at), the server closes the connection on its own, and its memory does not grow with the head (the
     unbounded parser took +122 MiB for the 1,000,000 fields and held them; a WebSocket upgrade got no
-    answer at all)."""
+    answer at all). LocalAI's head is a call's metadata, Wyoming's an event's header line."""
+    if name == "localai":
+        _localai_metadata_is_bounded(request.getfixturevalue("localai"))
+        return
+    server = request.getfixturevalue("server")
+    if name == WYOMING:
+        _wyoming_header_line_is_bounded(server)
+        return
     t = BY_NAME[name]
     ws = name in WS_NAMES
     method = b"GET" if ws else b"POST"
@@ -544,25 +553,132 @@ def test_a_request_head_is_bounded(server, name):
     assert httpx.get(server.base + "/health", timeout=10).status_code == 200
 
 
+def _stream_1_ended(frames) -> bool:
+    return any(stream == 1 and flags & H2_END_STREAM for _, flags, stream, _ in frames)
+
+
+def _grpc_raw_connection(b, pieces, until=_stream_1_ended, timeout: float = 30) -> list[tuple[int, int, int, bytes]]:
+    """Send ``pieces`` (HTTP/2 frames after the preface) while another thread reads: the frames the backend
+    sent until ``until(frames)`` (stream 1 ended), the connection ended or ``timeout`` passed."""
+    sock = socket.create_connection(("127.0.0.1", b.port))
+    sock.settimeout(timeout)
+    got: list[bytes] = []
+    ended = threading.Event()
+
+    def reader():
+        try:
+            while piece := sock.recv(65536):
+                got.append(piece)
+                if until(h2_frames(b"".join(got))):
+                    break
+        except OSError:
+            pass
+        ended.set()
+
+    threading.Thread(target=reader, daemon=True).start()
+    try:
+        sock.sendall(H2_PREFACE + h2_frame(H2_SETTINGS, 0, 0))
+        for piece in pieces:
+            sock.sendall(piece)
+    except OSError:
+        pass                                        # the backend cut the connection: the reader has its answer
+    ended.wait(timeout)
+    sock.close()
+    return h2_frames(b"".join(got))
+
+
+GRPC_VALUE_BYTES = 128 << 20      # one metadata value of a raw HTTP/2 client (the hard limit is 16 KiB)
+GRPC_HEAD_RSS_MIB = 64            # half of it: buffered whole, it would cost at least its size (skipped: +1-40)
+
+
+def _localai_metadata_is_bounded(b) -> None:
+    """gRPC's request head is the call's metadata (an HTTP/2 header block): one 8 MiB value from a gRPC
+    client, and one declared 128 MiB value sent in 16 KiB CONTINUATION frames by a raw HTTP/2 client, are
+    each RESOURCE_EXHAUSTED at grpc core's hard metadata limit (16 KiB, app/localai/server.py pins it), before
+    the token or the servicer is looked at; the value is skipped as it arrives, not buffered (the backend's
+    memory does not grow with it), and the next call is served."""
+    from app.localai import backend_pb2 as pb
+
+    before = server_rss_mib(b)
+    with pytest.raises(grpc.RpcError) as e:
+        b.stub.Health(pb.HealthMessage(), metadata=[("x-big", "v" * HEAD_BYTES)], timeout=30)
+    assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, e.value
+    declared = grpc_request_head("/backend.Backend/Health") + b"\x00" + hpack_int(5, 7) + b"x-big" + \
+        hpack_int(GRPC_VALUE_BYTES, 7)
+    value = (h2_frame(H2_CONTINUATION, 0, 1, b"v" * 16384) for _ in range(GRPC_VALUE_BYTES // 16384))
+    frames = _grpc_raw_connection(b, [h2_frame(H2_HEADERS, H2_END_STREAM, 1, declared), *value,
+                                      h2_frame(H2_CONTINUATION, H2_END_HEADERS, 1)])
+    answer = [(kind, flags) for kind, flags, stream, _ in frames if stream == 1]
+    assert answer and answer[0][0] == H2_HEADERS and answer[0][1] & H2_END_STREAM, \
+        f"the call was not ended at once with its status (trailers only): {answer}"
+    assert not any(kind == H2_DATA for kind, _ in answer), "the call got a reply"
+    grown = server_rss_mib(b) - before
+    assert grown < GRPC_HEAD_RSS_MIB, f"the backend grew by {grown:.0f} MiB over the hostile metadata"
+    assert b.stub.Health(pb.HealthMessage(), timeout=10).message == b"OK"
+
+
+WYOMING_LINE_BYTES = 32 << 20     # a header line of 32 MiB (the bound is the reader's 64 KiB line)
+
+
+def _wyoming_header_line_is_bounded(server) -> None:
+    """Wyoming's request head is an event's JSON header line: a 32 MiB line is refused at the reader's 64 KiB
+    line limit, events declaring a 2^40-byte payload or data before a byte of it is read — each
+    ``message_too_large``, then the end of the connection —, the server's memory does not grow with them,
+    and the next connection is served."""
+    from wyoming.tts import Synthesize
+
+    before = server_rss_mib(server)
+    line = b'{"type": "synthesize", "data": {"text": "' + b"x" * WYOMING_LINE_BYTES + b'"}}\n'
+    assert _wyoming_codes(server, [], raw=line) == ["message_too_large"]
+    for length in (b"payload_length", b"data_length"):
+        declared = b'{"type": "audio-chunk", "%s": %d}\n' % (length, 1 << 40)
+        assert _wyoming_codes(server, [], raw=declared) == ["message_too_large"], length
+    grown = server_rss_mib(server) - before
+    assert grown < HEAD_RSS_MIB, f"the server grew by {grown:.0f} MiB over the hostile Wyoming heads"
+    assert _wyoming_codes(server, [Synthesize(text="Hello.").event()]) == [], "the server goes on"
+
+
 # ---------------------------------------------------------------------------------------------- pings
 PINGS = 400_000                  # 125-byte pings (50 MB) from a client that reads nothing
 PING_RSS_MIB = 24                # the server's growth (unbounded: +46 MiB for 400,000, linear)
 
 
-@pytest.mark.parametrize("name", WS_NAMES)
-def test_a_ping_flood_from_a_client_that_never_reads_is_bounded(server, name):
+def _serves(target) -> bool:
+    """Whether the server (or the LocalAI backend) answers its health check."""
+    if isinstance(target, Backend):
+        from app.localai import backend_pb2 as pb
+
+        return target.stub.Health(pb.HealthMessage(), timeout=10).message == b"OK"
+    return httpx.get(target.base + "/health", timeout=10).status_code == 200
+
+
+@pytest.mark.parametrize("name", WS_NAMES + ["localai", WYOMING])
+def test_a_ping_flood_from_a_client_that_never_reads_is_bounded(request, name):
     """A client with a 4 KiB receive buffer sends 400,000 pings and reads nothing: the pongs it does not take
     stop at the send buffer (the server's memory does not grow with the flood), and the socket is cut (a
     reset) once its unsent bytes stayed over the bound for the stall timeout and the close's grace, as a
     client that stops reading is on every other path (unbounded, the pongs piled up in the server and
-    the socket stayed open). Other clients are served meanwhile."""
+    the socket stayed open). Other clients are served meanwhile. LocalAI: HTTP/2 pings without a call, cut
+    by grpc core's ping policy (GOAWAY ``too_many_pings`` past 2 strikes); Wyoming: ``ping`` events, whose
+    pongs the session writes under the stall timeout."""
     from websockets.frames import Frame, Opcode
 
-    t = BY_NAME[name]
-    sock, answer = raw_upgrade(server.port, t)
-    assert answer.startswith(b"HTTP/1.1 101"), answer[:300]
+    if name == "localai":
+        server = request.getfixturevalue("localai")
+        sock = small_buffer_socket(server.port)
+        # its settings acknowledged unread (else the settings timeout, not the ping policy, would cut it)
+        sock.sendall(H2_PREFACE + h2_frame(H2_SETTINGS, 0, 0) + h2_frame(H2_SETTINGS, H2_ACK, 0))
+        batch = h2_frame(H2_PING, 0, 0, b"p" * 8) * 1000
+    elif name == WYOMING:
+        server = request.getfixturevalue("server")
+        sock = small_buffer_socket(server.wyoming_port)
+        batch = b'{"type": "ping", "data": {"text": "p"}}\n' * 1000
+    else:
+        server = request.getfixturevalue("server")
+        sock, answer = raw_upgrade(server.port, BY_NAME[name])
+        assert answer.startswith(b"HTTP/1.1 101"), answer[:300]
+        batch = Frame(Opcode.PING, b"p" * 125).serialize(mask=True) * 1000
     sock.settimeout(5)
-    batch = Frame(Opcode.PING, b"p" * 125).serialize(mask=True) * 1000
     before = server_rss_mib(server)
     cut = None
     try:
@@ -573,7 +689,7 @@ def test_a_ping_flood_from_a_client_that_never_reads_is_bounded(server, name):
     except TimeoutError:
         pass                                     # the server stopped reading: not a cut yet
     grown = server_rss_mib(server) - before
-    assert httpx.get(server.base + "/health", timeout=10).status_code == 200
+    assert _serves(server)
     deadline = time.monotonic() + STALL_S + 5 + 30
     while cut is None and time.monotonic() < deadline:
         try:
@@ -586,6 +702,12 @@ def test_a_ping_flood_from_a_client_that_never_reads_is_bounded(server, name):
     sock.close()
     assert grown < PING_RSS_MIB, f"the server grew by {grown:.0f} MiB over the ping flood"
     assert cut is not None, "the socket of a client that reads nothing was not cut"
+    if name == "localai":       # and, read, the flood is answered with grpc core's ping policy
+        frames = _grpc_raw_connection(server, [h2_frame(H2_SETTINGS, H2_ACK, 0), *[batch] * 100],
+                                      until=lambda frames: any(kind == H2_GOAWAY for kind, *_ in frames))
+        away = [payload for kind, _, _, payload in frames if kind == H2_GOAWAY]
+        assert away and away[0][4:8] == ENHANCE_YOUR_CALM and b"too_many_pings" in away[0][8:], \
+            f"no GOAWAY too_many_pings after {sum(kind == H2_PING for kind, *_ in frames)} pings answered"
 
 
 # ---------------------------------------------------------------------------------------------- frames

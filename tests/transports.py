@@ -201,3 +201,58 @@ async def wyoming_events(reader, until, timeout: float = 60) -> list:
 def wyoming_error(event) -> str | None:
     """The code of an ``error`` event (None for any other)."""
     return event.data.get("code") if event.type == "error" else None
+
+
+# ---------------------------------------------------------------------------------------------- raw HTTP/2 (gRPC)
+# The hostile gRPC client writes HTTP/2 frames itself (a header block of any size, pings it never reads the
+# answers to), which no gRPC library lets it do.
+H2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+H2_DATA, H2_HEADERS, H2_SETTINGS, H2_PING, H2_GOAWAY, H2_CONTINUATION = 0x0, 0x1, 0x4, 0x6, 0x7, 0x9
+ENHANCE_YOUR_CALM = (0xB).to_bytes(4, "big")     # a GOAWAY's error code
+H2_END_STREAM, H2_END_HEADERS, H2_ACK = 0x1, 0x4, 0x1
+
+
+def h2_frame(kind: int, flags: int, stream: int, payload: bytes = b"") -> bytes:
+    return len(payload).to_bytes(3, "big") + bytes([kind, flags]) + stream.to_bytes(4, "big") + payload
+
+
+def hpack_int(value: int, prefix_bits: int, first: int = 0) -> bytes:
+    """An HPACK integer (RFC 7541 5.1) in a first byte whose high bits are ``first``."""
+    top = (1 << prefix_bits) - 1
+    if value < top:
+        return bytes([first | value])
+    out, value = [first | top], value - top
+    while value >= 128:
+        out.append(value % 128 + 128)
+        value //= 128
+    return bytes(out + [value])
+
+
+def hpack_literal(name: bytes, value: bytes) -> bytes:
+    """A header field, literal name and value, not indexed (RFC 7541 6.2.2), without Huffman coding."""
+    return b"\x00" + hpack_int(len(name), 7) + name + hpack_int(len(value), 7) + value
+
+
+def hpack_indexed_name(index: int, value: bytes) -> bytes:
+    """A header field whose name is entry ``index`` of the static table, literal value, not indexed."""
+    return hpack_int(index, 4) + hpack_int(len(value), 7) + value
+
+
+def grpc_request_head(path: str) -> bytes:
+    """The HPACK block of a gRPC call's headers: POST, http (static entries 3, 6), ``path``, the gRPC
+    content type."""
+    return (b"\x83\x86" + hpack_indexed_name(4, path.encode()) + hpack_indexed_name(1, b"localhost")
+            + hpack_literal(b"content-type", b"application/grpc") + hpack_literal(b"te", b"trailers"))
+
+
+def h2_frames(data: bytes) -> list[tuple[int, int, int, bytes]]:
+    """The (type, flags, stream, payload) of each whole frame in ``data`` (what a server sends)."""
+    frames, i = [], 0
+    while i + 9 <= len(data):
+        length = int.from_bytes(data[i:i + 3], "big")
+        if i + 9 + length > len(data):
+            break
+        frames.append((data[i + 3], data[i + 4], int.from_bytes(data[i + 5:i + 9], "big") & 0x7FFFFFFF,
+                       data[i + 9:i + 9 + length]))
+        i += 9 + length
+    return frames

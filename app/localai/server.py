@@ -67,6 +67,14 @@ from .output import DstRefused, DstWriteFailed, OutputFile
 log = logging.getLogger("mossrt.localai")
 
 MAX_MESSAGE_BYTES = 50 * 1024 * 1024
+# grpc core's own bounds below the servicer, pinned rather than left to its defaults (docs/operations.md):
+# a request's metadata (header block) over the hard limit is RESOURCE_EXHAUSTED, and a value past it is
+# skipped, not buffered; a client's pings without a call more often than every 5 min earn a strike, and
+# past 2 strikes the connection gets GOAWAY too_many_pings and is closed (a ping flood)
+METADATA_SOFT_BYTES = 8 * 1024
+METADATA_HARD_BYTES = 16 * 1024
+PING_STRIKES = 2
+PING_INTERVAL_WITHOUT_CALLS_MS = 5 * 60 * 1000
 DEFAULT_MAX_WORKERS = 4
 DEFAULT_GRACE_SECONDS = 5.0
 AUTH_ENV = "LOCALAI_GRPC_AUTH_TOKEN"
@@ -807,7 +815,11 @@ def build_server(addr: str, backend: MossTTSBackend, max_workers: int | None = N
         ThreadPoolExecutor(max_workers=workers, thread_name_prefix="localai-grpc"),
         options=[("grpc.max_message_length", MAX_MESSAGE_BYTES),
                  ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-                 ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)],
+                 ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                 ("grpc.max_metadata_size", METADATA_SOFT_BYTES),
+                 ("grpc.absolute_max_metadata_size", METADATA_HARD_BYTES),
+                 ("grpc.http2.max_ping_strikes", PING_STRIKES),
+                 ("grpc.http2.min_ping_interval_without_data_ms", PING_INTERVAL_WITHOUT_CALLS_MS)],
         interceptors=interceptors_from_env() if interceptors is None else interceptors)
     pb_grpc.add_BackendServicer_to_server(backend, server)
     try:
