@@ -161,6 +161,11 @@ class Bundle:
         if self.threads:
             opts.intra_op_num_threads = self.threads
         opts.log_severity_level = 3
+        # A frame runs several sessions in turn (backbone step, depth, codec), each with its own intra-op
+        # pool; a pool's threads spin after its run and take the cores from the next session's threads.
+        # Measured at real dimensions, int8, 2 threads: backbone step 81 -> 61 ms, steady frame 237 -> 206 ms,
+        # first audio 432 -> 366 ms (docs/performance.md, Thread pools).
+        opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
         if self.profile_dir is not None:
             opts.enable_profiling = True
             opts.profile_file_prefix = str(self.profile_dir / name)
