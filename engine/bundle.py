@@ -18,6 +18,7 @@ import onnxruntime as ort
 from .errors import BundleError
 from .manifest import FORMAT_VERSION, Manifest, parse_manifest, sha256_file
 from .placement import DeviceChoice, Finding, PlacementRefused, bundle_unplaced, choose_device
+from .threads import give_pool, pool_setting, share_one_pool, shared_pool_threads
 
 MAX_THREADS = 256
 log = logging.getLogger("mossrt.engine")
@@ -45,10 +46,12 @@ class Bundle:
     """
 
     def __init__(self, directory: str | Path, device: str | None = "auto", threads: int | None = None,
-                 profile_dir: str | Path | None = None, defer_refusal: bool = False):
+                 profile_dir: str | Path | None = None, defer_refusal: bool = False, shared_pool: bool = False):
         """``device``: ``auto``, ``cpu`` or ``cuda``, checked against the graphs' kernels before onnxruntime is
         asked (a refusal is a BundleError; with ``defer_refusal`` it is kept in :attr:`refusal` and raised by
-        :meth:`session`, so a server can report it); ``None`` opens the files only (no sessions)."""
+        :meth:`session`, so a server can report it); ``None`` opens the files only (no sessions).
+        ``shared_pool``: the caller serves this bundle alone, so on CPU every session of the process runs on
+        one intra-op pool of ``threads`` threads unless ``MOSSRT_THREAD_POOL=own`` (engine.threads)."""
         self.dir = Path(directory)
         self.profile_dir = Path(profile_dir) if profile_dir is not None else None
         path = self.dir / "manifest.json"
@@ -78,6 +81,15 @@ class Bundle:
         if device is not None:
             self._place(device, defer_refusal)
         self.threads = threads_setting(threads)
+        if shared_pool:
+            try:
+                # on CUDA the CPU pools run only shapes and copies: kept per session, as the GPU path was built
+                if pool_setting() == "shared" and self.device == "cpu":
+                    share_one_pool(self.threads)
+            except ValueError as e:
+                raise BundleError(str(e)) from None
+        elif shared_pool_threads() is not None:      # the process's pool serves every session: say its size
+            self.threads = shared_pool_threads()
         self._sessions: dict[str, ort.InferenceSession] = {}
         self._lock = threading.Lock()
 
@@ -158,14 +170,8 @@ class Bundle:
         sessions with them, verbose, to read onnxruntime's node placement)."""
         opts = ort.SessionOptions()
         opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-        if self.threads:
-            opts.intra_op_num_threads = self.threads
+        give_pool(opts, self.threads)
         opts.log_severity_level = 3
-        # A frame runs several sessions in turn (backbone step, depth, codec), each with its own intra-op
-        # pool; a pool's threads spin after its run and take the cores from the next session's threads.
-        # Measured at real dimensions, int8, 2 threads: backbone step 81 -> 61 ms, steady frame 237 -> 206 ms,
-        # first audio 432 -> 366 ms (docs/performance.md, Thread pools).
-        opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
         if self.profile_dir is not None:
             opts.enable_profiling = True
             opts.profile_file_prefix = str(self.profile_dir / name)

@@ -17,6 +17,8 @@ import onnx
 import onnxruntime as ort
 from onnx import TensorProto, helper
 
+from .threads import give_pool
+
 # the float types a bundle computes in (its manifest's compute_dtype) and their ONNX element types
 KV_DTYPES = {"fp32": np.dtype(np.float32), "fp16": np.dtype(np.float16), "bf16": np.dtype(ml_dtypes.bfloat16)}
 ELEMENT = {np.dtype(np.float32): TensorProto.FLOAT, np.dtype(np.float16): TensorProto.FLOAT16,
@@ -83,13 +85,12 @@ def _graph(name: str, nodes, inputs, outputs) -> bytes:
 
 
 def helper_options() -> ort.SessionOptions:
-    """Options of the engine's small in-place graphs (fills, slot and ring copies): one thread. They move
-    memory; a default intra-op pool would only spin its threads after every run, taking CPU from the step
-    graphs on the same cores."""
+    """Options of the engine's small in-place graphs (fills, slot and ring copies): one thread, the caller's,
+    or the process's shared pool when it has one (every session must then use it). They move memory; a
+    default intra-op pool would only spin its threads after every run, taking CPU from the step graphs."""
     opts = ort.SessionOptions()
     opts.log_severity_level = 3
-    opts.intra_op_num_threads = 1
-    opts.inter_op_num_threads = 1
+    give_pool(opts, 1)
     return opts
 
 

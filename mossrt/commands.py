@@ -117,7 +117,8 @@ def load_model(args):
     from engine.bundle import Bundle
     from engine.tts import TTSModel
 
-    bundle = Bundle(args.bundle, device=args.device, threads=args.threads, profile_dir=profile_dir(args))
+    bundle = Bundle(args.bundle, device=args.device, threads=args.threads, profile_dir=profile_dir(args),
+                    shared_pool=True)
     if bundle.is_demo:
         progress(f"note: {args.bundle} is the demo bundle ({bundle.info.demo.describe()})")
     return TTSModel(bundle, cuda_graphs=cuda_graphs_choice(args), warm_buckets=warm_buckets_choice(args))
@@ -142,7 +143,8 @@ def load_codec(args):
     from engine.bundle import Bundle
     from engine.codec import Codec
 
-    return Codec(Bundle(args.bundle, device=args.device, threads=args.threads, profile_dir=profile_dir(args)))
+    return Codec(Bundle(args.bundle, device=args.device, threads=args.threads, profile_dir=profile_dir(args),
+                        shared_pool=True))
 
 
 def profile_dir(args) -> Path | None:

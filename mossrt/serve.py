@@ -43,7 +43,9 @@ def open_bundle(settings):
 
     directory = settings.bundle or ensure_demo_bundle()
     # a provider that cannot run the bundle is reported by /ready (503, with the reason), not a failed start
-    bundle = Bundle(directory, device=settings.device, threads=settings.threads or None, defer_refusal=True)
+    # the process serves this bundle alone: one intra-op pool for all its sessions (engine.threads)
+    bundle = Bundle(directory, device=settings.device, threads=settings.threads or None, defer_refusal=True,
+                    shared_pool=True)
     if settings.verify == "full":
         progress(f"verifying {len(bundle.info.files)} files of {directory} (sha256)")
         bundle.verify()
@@ -59,6 +61,7 @@ def cmd_serve(args) -> None:
     from app.protocol_bounds import ProtocolBounds, bounded_http_protocol, bounded_ws_protocol
     from app.routes.elevenlabs_http import ROUTE_PREFIXES
     from app.server import configure_logging, create_app
+    from engine.threads import describe_pools
 
     settings = load_settings(args)
     bundle = open_bundle(settings)
@@ -69,6 +72,7 @@ def cmd_serve(args) -> None:
     log = logging.getLogger("mossrt.app")
     if (raised := raise_open_files_limit()) is not None:
         log.info("open-file limit (RLIMIT_NOFILE) raised from %d to %d", *raised)
+    log.info("%s", describe_pools())
     if bundle.refusal:
         log.error("the bundle cannot be served on the requested device (/ready says so): %s", bundle.refusal)
     log.info("listening on http://%s:%d (%s bundle %s, device %s: %s)", settings.host, settings.port,

@@ -18,9 +18,12 @@ from conftest import GOLDEN, TTS_CHECKPOINT, golden
 
 
 def run_cli(capsys, *args, env: dict | None = None) -> tuple[int, str, str]:
-    """``mossrt ARGS`` in this process: (exit status, stdout, stderr); argparse's exits count as status."""
+    """``mossrt ARGS`` in this process: (exit status, stdout, stderr); argparse's exits count as status.
+    Sessions keep pools of their own (MOSSRT_THREAD_POOL=own): this process hosts many bundles and other
+    tests' sessions, which a process-wide pool, once made, would take over."""
     from mossrt.cli import main
 
+    env = {"MOSSRT_THREAD_POOL": "own", **(env or {})}
     saved = {k: os.environ.get(k) for k in (env or {})}
     os.environ.update(env or {})
     try:
