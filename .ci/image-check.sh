@@ -36,7 +36,20 @@ BASE_IMAGE=$REPO/python:3.11-bookworm
 DEBIAN_IMAGE=$REPO/debian:bookworm
 
 say() { printf '[image-check] %s\n' "$*" >&2; }
-fail() { say "FAIL: $*"; exit 1; }
+# CI shows the head and the tail of a long log: the reason is said again after the containers' logs
+failure=""
+fail() { failure="FAIL: $*"; say "$failure"; exit 1; }
+# image_probe.py with its stderr passed on, and its reason kept for fail: `probe ARGS || fail "what: $(probe_reason)"`
+probe() {
+    local rc=0
+    "$HOST_PYTHON" .ci/image_probe.py "$@" 2>"$tmp/probe.err" || rc=$?
+    cat "$tmp/probe.err" >&2
+    return "$rc"
+}
+probe_reason() { grep '^\[image_probe\] FAIL' "$tmp/probe.err" | tail -n 1 || true; }
+# a command that stops the script under set -e names itself (no command here fails silently otherwise)
+set -o errtrace
+trap 'rc=$?; [[ -n $failure ]] || failure="FAIL: line $LINENO exited $rc: $BASH_COMMAND"' ERR
 
 tmp=$(mktemp -d "${TMPDIR:-/tmp}/mossrt-image-check.XXXXXX")
 run_id=mossrt-image-check-$$
@@ -56,6 +69,7 @@ cleanup() {
     for c in "${mounted[@]}"; do pm image unmount "$c" >/dev/null 2>&1 || true; done
     for c in "${volumes[@]}"; do pm volume rm -f "$c" >/dev/null 2>&1 || true; done
     rm -rf "$tmp"
+    if ((rc != 0)); then say "${failure:-FAIL: exit status $rc}"; fi
     exit "$rc"
 }
 trap cleanup EXIT
@@ -235,9 +249,9 @@ run_cpu_image() {
         -e MOSSRT_BUNDLE= -e MOSSRT_DRAIN_TIMEOUT="$DRAIN_TIMEOUT" -e MOSSRT_SHUTDOWN_DELAY="$SHUTDOWN_DELAY" "$image" >"$tmp/run.log" 2>&1 \
         || { cat "$tmp/run.log" >&2; fail "podman run $image failed"; }
     local -a alive=("${PODMAN[@]}" inspect --format '{{.State.Running}}' "$name")
-    secs=$("$HOST_PYTHON" .ci/image_probe.py wait "$base" /health "$READY_TIMEOUT" -- "${alive[@]}") || fail "no /health 200 from the container"
+    secs=$(probe wait "$base" /health "$READY_TIMEOUT" -- "${alive[@]}") || fail "no /health 200 from the container: $(probe_reason)"
     say "GET /health -> 200, $secs s after podman run"
-    "$HOST_PYTHON" .ci/image_probe.py wait "$base" /ready "$READY_TIMEOUT" -- "${alive[@]}" >/dev/null || fail "no /ready 200 from the container"
+    probe wait "$base" /ready "$READY_TIMEOUT" -- "${alive[@]}" >/dev/null || fail "no /ready 200 from the container: $(probe_reason)"
     ready_seconds=$((SECONDS - started))
     say "GET /ready -> 200: cold start to ready ${ready_seconds} s (demo bundle built in the container)"
     local -a health
@@ -247,7 +261,7 @@ run_cpu_image() {
     pm exec "$name" "${health[@]}" || fail "the image's HEALTHCHECK command fails on a serving container"
     say "the image's HEALTHCHECK command passes"
 
-    "$HOST_PYTHON" .ci/image_probe.py speech "$base" || fail "POST /v1/audio/speech gave no playable audio"
+    probe speech "$base" || fail "POST /v1/audio/speech gave no playable audio: $(probe_reason)"
 
     local uids
     uids=$(pm exec "$name" sh -c 'for s in /proc/[0-9]*/status; do awk "/^Name:/ {n = \$2} /^Uid:/ {print n, \$2}" "$s"; done' 2>/dev/null)
@@ -261,8 +275,8 @@ run_cpu_image() {
     say "/data, /data/voices, /data/bundle, /data/hf are writable by uid $UID_IN_IMAGE"
 
     local stop_limit=$((DRAIN_TIMEOUT + PRESTOP_ALLOWANCE))
-    secs=$("$HOST_PYTHON" .ci/image_probe.py drain "$base" -- "${PODMAN[@]}" stop -t "$stop_limit" "$name") \
-        || fail "podman stop with a stream in flight"
+    secs=$(probe drain "$base" -- "${PODMAN[@]}" stop -t "$stop_limit" "$name") \
+        || fail "podman stop with a stream in flight: $(probe_reason)"
     rc=$(pm inspect --format '{{.State.ExitCode}}' "$name")
     ((rc == 0)) || fail "the container exited $rc after SIGTERM (expected 0; 137 = killed after $stop_limit s)"
     awk -v s="$secs" -v l="$stop_limit" 'BEGIN { exit !(s < l) }' || fail "the stop took $secs s (limit $stop_limit s)"
