@@ -43,7 +43,7 @@ def _span_of(got, rule: str) -> tuple[int, int]:
 
 
 def test_every_rule_has_an_example_in_english_and_every_rule_but_the_english_ones_in_mandarin():
-    english_only = {"ordinal", "plural"}   # Mandarin writes no ordinal or plural; "year" is Mandarin's 2024年
+    english_only = {"ordinal", "plural", "decade"}   # Mandarin writes no ordinal, plural or 1990s (90年代 is numbers)
     by_language = {lang: {e.rule for e in EXAMPLES if e.language == lang} for lang in ("en", "zh")}
     rules = {r.name for r in RULES}
     assert by_language["en"] == rules - {"year"}
@@ -121,6 +121,22 @@ def test_a_months_name_date_reads_its_year_as_the_numeric_forms_do():
     # not a date: "may" is a verb, a 32nd day has no reading, and a day without a year is not claimed
     assert normalize("you may 2024").spoken == "you may two thousand and twenty-four"
     assert normalize("March 32, 2024").spoken == "March thirty-two, two thousand and twenty-four"
+
+
+@pytest.mark.parametrize("sent, spoken", [
+    ("the 1990s", "the nineteen nineties"),
+    ("the 1900s and 2000s", "the nineteen hundreds and two thousands"),
+    ("in the 2010's", "in the twenty tens"),
+    ("the early 60s", "the early sixties"),
+    ("mid-70s", "mid-seventies"),
+    ("a 30s clip", "a thirty seconds clip"),           # two digits without a word before them: seconds
+    ("1 1/2 cups", "one and a half cups"),
+    ("5/8 inch", "five eighths inch"),
+    ("24/7 and 50/50", "twenty-four/seven and fifty/fifty"),      # not proper fractions: left to the numbers
+    ("on 1/15/2024", "on January fifteenth, twenty twenty-four"),  # a date, not a fraction
+])
+def test_decades_and_fractions_with_units_on(sent, spoken):
+    assert normalize(sent, Switches(unit_normalization=True)).spoken == spoken
 
 
 def test_a_matched_phrase_without_a_reading_is_left_as_sent():

@@ -110,6 +110,23 @@ class English:
     def percent(self, digits: str) -> str:
         return f"{self.number(digits)} percent"
 
+    def decade(self, digits: str) -> str:
+        """1990 -> nineteen nineties, 1900 -> nineteen hundreds, 2000 -> two thousands, 80 -> eighties: the
+        decade said as its year (or number), its last word in the plural."""
+        said = self.year(digits) if len(digits) == 4 else self.number(digits)
+        head, _, last = said.rpartition(" ")
+        return f"{head} {_inflect().plural_noun(last)}".strip()
+
+    def fraction(self, whole: str | None, numerator: str, denominator: str) -> str:
+        """1/2 one half, 3/4 three quarters, 5/8 five eighths; 1 1/2 one and a half, 2 3/4 two and three quarters."""
+        top, bottom = int(numerator), int(denominator)
+        part = {2: "half", 4: "quarter"}.get(bottom) or _inflect().ordinal(self.number(denominator))
+        if top != 1:
+            part = _inflect().plural_noun(part)
+        if whole is None:
+            return f"{self.number(numerator)} {part}"
+        return f"{self.number(whole)} and {'a' if top == 1 else self.number(numerator)} {part}"
+
     def currency(self, symbol: str, whole: str, cents: str | None, scale: str | None) -> str:
         (one, many), (cent_one, cent_many) = _EN_CURRENCY[symbol]
         if scale or (cents and len(cents) != 2):           # $5.5 million, $1.234: the amount, then the currency
@@ -174,6 +191,11 @@ class Mandarin:
 
     def percent(self, digits: str) -> str:
         return "百分之" + self.number(digits)
+
+    def fraction(self, whole: str | None, numerator: str, denominator: str) -> str:
+        """3/4 四分之三; 1 1/2 一又二分之一."""
+        said = f"{self.number(denominator)}分之{self.number(numerator)}"
+        return said if whole is None else f"{self.number(whole)}又{said}"
 
     def currency(self, symbol: str, whole: str, cents: str | None, scale: str | None) -> str:
         amount = self.number(whole + (f".{cents}" if cents else ""))

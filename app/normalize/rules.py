@@ -103,6 +103,19 @@ def _say_zh_year(m, lang):
     return lang.year(m.group("y")) if lang.code == "zh" else None
 
 
+def _say_decade(m, lang):
+    if lang.code != "en":
+        return None
+    return (m.group("lead") or "") + lang.decade(m.group("y") or m.group("t") or m.group("t2"))
+
+
+def _say_fraction(m, lang):
+    numerator, denominator = int(m.group("a")), int(m.group("b"))
+    if not 0 < numerator < denominator:
+        return None                                # 24/7, 50/50, 3/0: not a fraction to say as one
+    return lang.fraction(m.group("w"), m.group("a"), m.group("b"))
+
+
 def _say_currency(m, lang):
     return lang.currency(m.group("sym"), m.group("whole"), m.group("cents"), (m.group("scale") or "").lower() or None)
 
@@ -161,6 +174,13 @@ _NAMED_DATE = (rf"\b(?P<mon>{_MONTH})\b\.?\s+(?P<md>\d{{1,2}})(?:st|nd|rd|th)?,?
                rf"|\b(?P<dd>\d{{1,2}})(?:st|nd|rd|th)?\s+(?P<mon2>{_MONTH})\b\.?,?\s+(?P<dy>\d{{4}})\b"
                rf"|\b(?P<mon3>{_MONTH})\b\.?,?\s+(?P<yy>\d{{4}})\b")
 
+# a decade: a year ending in 0 with an s (1990s, 1990's); two digits (80s) only after an apostrophe ('80s) or a
+# word that makes it an age or an era (the 80s, her 30s, early 60s), since "a 30s clip" is thirty seconds
+_DECADE = (r"(?<![\w.,'’])['’]?(?P<y>[1-9]\d{2}0)['’]?s\b"
+           r"|(?<![\w.,])['’](?P<t>[1-9]0)['’]?s\b"
+           r"|\b(?P<lead>(?:[Tt]he|[Hh]is|[Hh]er|[Tt]heir|[Mm]y|[Yy]our|[Oo]ur|[Ee]arly|[Mm]id|[Ll]ate)[\s-]+)"
+           r"(?P<t2>[1-9]0)['’]?s\b")
+
 RULES: tuple[Rule, ...] = (
     Rule("email", "email_normalization", "e-mail addresses, symbol by symbol",
          _regex(r"[A-Za-z0-9._%+-]+@[A-Za-z0-9-]+(?:\.[A-Za-z0-9-]+)+"), lambda m, lang: _say_spelled(m.group(0), lang)),
@@ -171,6 +191,11 @@ RULES: tuple[Rule, ...] = (
          _regex(r"\b(?P<y>\d{4})-(?P<mo>\d{1,2})-(?P<d>\d{1,2})\b|\b(?P<mo2>\d{1,2})/(?P<d2>\d{1,2})/(?P<y2>\d{4})\b|"
                 + _NAMED_DATE), _say_date_any),
     Rule("year", None, "Mandarin years (2024年)", _regex(r"(?P<y>\d{4})(?=年)"), _say_zh_year),
+    # before the units: the s of 1990s is not seconds
+    Rule("decade", None, "English decades (1990s, '80s, the 60s: two digits only after an apostrophe or a word "
+         "such as the, her, early)", _regex(_DECADE), _say_decade),
+    Rule("fraction", None, "proper fractions, with a whole number before them (3/4, 1 1/2)",
+         _regex(r"(?<![\w/.,])(?:(?P<w>\d{1,3})\s)?(?P<a>\d{1,3})/(?P<b>\d{1,3})(?![\w/]|[.,]\d)"), _say_fraction),
     Rule("time", None, "clock times (3:30, 15:05:09, 3:30 pm, 7 am)",
          _regex(r"\b(?P<h>\d{1,2})(?::(?P<m>\d{2})(?::(?P<s>\d{2}))?(?:\s?(?P<ap>[AaPp])\.?[Mm]\b)?|"
                 r"\s?(?P<ap2>[AaPp])\.?[Mm]\b)"), _say_time_any),
