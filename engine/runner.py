@@ -78,6 +78,9 @@ class RunnerTiming:
     ticks: int = 0
     tick_s: float = 0.0
     prefix_rows_copied: int = 0
+    idle_rows_stepped: int = 0         # step rows of streams between turns riding in the bucket (0 when slots
+                                       # are kept in order: the cost item 4 of docs/architecture.md rules out)
+    slot_trades: int = 0               # a generating stream moved below an idle one (rows and codec rings copied)
 
 
 @dataclass
@@ -275,25 +278,30 @@ class StepRunner:
         return result
 
     def _generating_first(self) -> None:
-        """A stream whose turn starts now in a slot above an idle stream's (no turn in progress, its audio all
+        """A stream with frames to make in a slot above an idle stream's (no turn in progress, its audio all
         handed back) trades slots with it, so the batch bucket covers the generating streams, not idle ones
-        riding below them. Only at a turn's first request with nothing pending, when neither codec ring
-        matters (each turn's audio starts afresh); the idle stream's rows go through the host, the starting
-        one's move on the device."""
+        riding below them: as its turn starts, or mid-turn when the stream below it has just finished its own.
+        At a tick's start, when no hidden row is kept for a later call. The idle stream's rows go through the
+        host (its codec ring does not matter: its next turn's audio starts afresh), the generating one's rows
+        move on the device, and mid-turn its codec ring and frame position move with them."""
         idle = [e for e in self._entries if self._riding_idle(e)]
         for e in sorted(self._entries, key=lambda e: -e.slot):
             req = e.request
-            if not idle or req is None or not req.sample or not req.first_frame or e.fed or e.pending:
+            if not idle or req is None or not req.sample:
                 continue
             low = idle[0]
             if low.slot >= e.slot:
                 break
             idle.pop(0)
+            starting = req.first_frame and not e.fed and not e.pending
             rows = self.kv.park_rows(low.slot, int(self.kv.lengths[low.slot]))
             self.kv.move(e.slot, low.slot)
+            if not starting:
+                self.decoder.move(e.slot, low.slot)
             self.kv.write_rows(e.slot, rows)
             low.slot, e.slot = e.slot, low.slot
             self._entries[low.slot], self._entries[e.slot] = low, e
+            self.timing.slot_trades += 1
 
     @staticmethod
     def _riding_idle(e: _Entry) -> bool:
@@ -390,6 +398,7 @@ class StepRunner:
         def run(group: list[_Entry]) -> list[None]:
             bufs.stage_step({e.slot: e.request.rows[0] for e in group}, self.kv.lengths[: bufs.bucket],
                             self._rider_row)
+            self.timing.idle_rows_stepped += sum(1 for o in self._entries[: bufs.bucket] if self._riding_idle(o))
             self.model.run_step(bufs, self.timing.step)
             return [None] * len(group)                # the hidden states stay in bufs.hidden, on the device
 

@@ -156,6 +156,17 @@ def test_a_queued_stream_takes_the_slot_when_its_holder_goes_idle(model):
         scheduler.stop()
 
 
+def turn_alone(model, params, ids):
+    """The frames of one turn on a scheduler of one slot: what a stream says with nobody beside it."""
+    from engine.scheduler import Scheduler
+
+    alone = Scheduler(model, slots=1, queue_timeout=60, warm_buckets=False)
+    try:
+        return turn(alone.open_stream(params=params), ids)
+    finally:
+        alone.stop()
+
+
 def test_idle_streams_in_slots_do_not_inflate_the_batch_bucket(model):
     """Four slots: A speaks, then B (A idle in slot 0): B's turn runs at bucket 1, not 2 — it trades slots
     with the idle A as it starts — and both say exactly what they say alone."""
@@ -163,11 +174,7 @@ def test_idle_streams_in_slots_do_not_inflate_the_batch_bucket(model):
 
     params = model.default_sampling(greedy=True)
     ids_a, ids_b = model.tokenizer.encode(TEXT_A)[:30], model.tokenizer.encode(SHORT)
-    alone = Scheduler(model, slots=1, queue_timeout=60, warm_buckets=False)
-    try:
-        ref_b = turn(alone.open_stream(params=params), ids_b)
-    finally:
-        alone.stop()
+    ref_b = turn_alone(model, params, ids_b)
     scheduler = Scheduler(model, slots=4, queue_timeout=60, warm_buckets=False)
     try:
         a, b = scheduler.open_stream(params=params), scheduler.open_stream(params=params)
@@ -181,3 +188,33 @@ def test_idle_streams_in_slots_do_not_inflate_the_batch_bucket(model):
         scheduler.stop()
     np.testing.assert_array_equal(codes(got_b), codes(ref_b))
     assert len(second_a) > 0
+
+
+def test_a_turn_running_above_one_that_ends_moves_down_mid_turn(model):
+    """A (slot 0) and B (slot 1) speak at once; A's turn is short, B's long. Once A's turn is over, B trades
+    slots with it mid-turn (its rows and codec ring moved), so no step carries A's idle row; B says what it
+    says alone (codes exact at fp32, audio within the codec's round-off: its ring moved mid-turn)."""
+    from engine.scheduler import Scheduler
+
+    params = model.default_sampling(greedy=True)
+    ids_a, ids_b = model.tokenizer.encode(SHORT)[:3], model.tokenizer.encode(TEXT_A)
+    ref_b = turn_alone(model, params, ids_b)
+    scheduler = Scheduler(model, slots=4, queue_timeout=60, warm_buckets=False)
+    try:
+        a, b = scheduler.open_stream(params=params), scheduler.open_stream(params=params)
+        for h, ids in ((a, ids_a), (b, ids_b)):
+            h.begin_turn(wait=60)
+            h.push_token_ids(ids)
+            h.end_text()
+        got_a, got_b = drain_events(a), drain_events(b)
+        timing = scheduler.runner.timing
+        assert len(got_b) > len(got_a) + 4, (len(got_a), len(got_b))     # B spoke on alone after A's turn
+        assert timing.slot_trades >= 1
+        assert timing.idle_rows_stepped == 0
+    finally:
+        scheduler.stop()
+    assert len(got_b) == len(ref_b)
+    if model.compute_dtype == "fp32":
+        np.testing.assert_array_equal(codes(got_b), codes(ref_b))
+    got, ref = audio(got_b), audio(ref_b)
+    assert got.shape == ref.shape and np.abs(got - ref).max() <= tts_tolerance(ref)
