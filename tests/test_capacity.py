@@ -104,7 +104,7 @@ def two_slots(full_bundle_dir, tmp_path_factory):
 def test_idle_sockets_of_both_protocols_hold_no_slot(two_slots):
     """--max-streams 2, one socket on our WebSocket and one on multi-stream-input, each idle after a finished
     turn: three POST /v1/audio/speech are all 200 (the idle conversations are parked for them), and each socket's
-    next turn then resumes and completes."""
+    next turn then resumes and completes; two POSTs at once are both 200 too."""
     server = two_slots
 
     async def run():
@@ -113,10 +113,14 @@ def test_idle_sockets_of_both_protocols_hold_no_slot(two_slots):
             assert await ours.turn(SHORT) and await el.turn(SHORT)
             wait_for(lambda: metric(server, "mossrt_generating_streams") == 0, 30, "both turns over")
             statuses = []
-            for _ in range(3):                  # the sockets stay idle (ElevenLabs' keep-alive holds its socket open)
+            for _ in range(3):                  # the sockets stay idle, each sending its protocol's keep-alive
+                await ours.w.send(json.dumps({"type": "input.text", "text": ""}))
                 await el.w.send(json.dumps({"text": ""}))
                 statuses.append((await asyncio.to_thread(speech, server)).status_code)
             assert statuses == [200, 200, 200]
+            # and two at once, as the issue's second measurement (429 after the queue timeout, before)
+            together = await asyncio.gather(*[asyncio.to_thread(speech, server) for _ in range(2)])
+            assert [r.status_code for r in together] == [200, 200]
             assert metric(server, "mossrt_conversations", state="parked") >= 1
             assert await ours.turn(SHORT) and await el.turn(SHORT)     # resumed (or never parked): both speak
         finally:
@@ -139,7 +143,7 @@ def test_ten_conversations_of_two_turns_share_two_slots(two_slots):
             for _ in range(2):
                 assert await client.turn(SHORT)
                 done += 1
-                await asyncio.sleep(1.0 + 0.2 * i)                  # the caller listens, the socket stays open
+                await asyncio.sleep(3.0 + 0.2 * i)   # the caller listens 3-5 s (the issue's gaps), the socket stays open
             return done
         finally:
             await client.w.close()
