@@ -61,8 +61,13 @@ class BackboneKVPool:
                 t.bind_output(binding, f"present_{kind}.{layer}", lo, hi - lo)
 
     def move(self, src: int, dst: int) -> None:
-        """Move the stream of slot ``src`` into slot ``dst`` (its filled rows only, on the device)."""
-        self._rows.copy(slot_rows(self.tensors, src), slot_rows(self.tensors, dst), int(self.lengths[src]))
+        """Move the stream of slot ``src`` into slot ``dst`` (its filled rows only, on the device): one plain
+        copy per (layer, K/V, head) block, as a park's (an indexed scatter took 7x as long: 177 against 26 ms
+        for 1,000 rows at real dimensions)."""
+        n = int(self.lengths[src])
+        if n:
+            self._copy_blocks(n, lambda t, h: (self.device, self._block_ptr(t, src, h)),
+                              lambda t, h: (self.device, self._block_ptr(t, dst, h)))
         self.lengths[dst] = self.lengths[src]
         self.lengths[src] = 0
 
@@ -104,7 +109,9 @@ class BackboneKVPool:
         stream's context): device to host, one contiguous block per layer, K/V and head."""
         host = np.empty((self.layers, 2, self.kv_heads, n, self.head_dim), self.dtype)
         if n:
-            self._block_copy(slot, n, host, to_host=True)
+            flat = host.reshape(-1, self.kv_heads, n, self.head_dim)       # a view: the same memory
+            self._copy_blocks(n, lambda t, h: (self.device, self._block_ptr(t, slot, h)),
+                              lambda t, h: ("cpu", flat[t, h].ctypes.data))
         return host
 
     def write_rows(self, slot: int, rows: np.ndarray) -> None:
@@ -112,13 +119,21 @@ class BackboneKVPool:
         :meth:`park_rows`): host to device."""
         n = rows.shape[3]
         if n:
-            self._block_copy(slot, n, np.ascontiguousarray(rows, self.dtype), to_host=False)
+            flat = np.ascontiguousarray(rows, self.dtype).reshape(-1, self.kv_heads, n, self.head_dim)
+            self._copy_blocks(n, lambda t, h: ("cpu", flat[t, h].ctypes.data),
+                              lambda t, h: (self.device, self._block_ptr(t, slot, h)))
         self.lengths[slot] = n
 
-    def _block_copy(self, slot: int, n: int, host: np.ndarray, to_host: bool) -> None:
-        """Copy rows 0..n-1 of every (layer, K/V, head) block of a slot to or from ``host`` in one call of an
-        Identity graph bound to both sides by pointer: a plain copy (host to device, device to host, or a
-        memcpy on CPU), no index tensors."""
+    def _block_ptr(self, tensor: int, slot: int, head: int) -> int:
+        """Address of row 0 of one (layer, K/V) tensor's block of ``slot`` and ``head``: its rows are contiguous."""
+        t = self.tensors[tensor]
+        return t.value.data_ptr() + ((slot * self.kv_heads + head) * self.capacity) * self.head_dim * self.dtype.itemsize
+
+    def _copy_blocks(self, n: int, src, dst) -> None:
+        """Copy rows 0..n-1 of every (layer, K/V, head) block from ``src(t, h)`` to ``dst(t, h)`` (each a
+        (device, address) pair) in one call of an Identity graph bound to both sides by pointer: a plain copy
+        (host to device, device to host, device to device, or a memcpy on CPU), no index tensors. The two sides
+        never overlap (different slots, or a host buffer)."""
         if self._blocks is None:
             f = ELEMENT[self.dtype]
             count = 2 * self.layers * self.kv_heads
@@ -128,16 +143,13 @@ class BackboneKVPool:
                 [io(f"x.{i}") for i in range(count)], [io(f"y.{i}") for i in range(count)]),
                 helper_options(), providers=self._providers)
         binding = self._blocks.io_binding()
-        f, shape, item = ELEMENT[self.dtype], [n, self.head_dim], self.dtype.itemsize
-        flat = host.reshape(-1, self.kv_heads, n, self.head_dim)      # a view: the same memory
-        for t, tensor in enumerate(self.tensors):
+        f, shape = ELEMENT[self.dtype], [n, self.head_dim]
+        for t in range(len(self.tensors)):
             for h in range(self.kv_heads):
                 i = t * self.kv_heads + h
-                dev = tensor.value.data_ptr() + ((slot * self.kv_heads + h) * self.capacity) * self.head_dim * item
-                on_host = flat[t, h].ctypes.data
-                src, dst = ((self.device, dev), ("cpu", on_host)) if to_host else (("cpu", on_host), (self.device, dev))
-                binding.bind_input(f"x.{i}", src[0], 0, f, shape, src[1])
-                binding.bind_output(f"y.{i}", dst[0], 0, f, shape, dst[1])
+                (src_dev, src_ptr), (dst_dev, dst_ptr) = src(t, h), dst(t, h)
+                binding.bind_input(f"x.{i}", src_dev, 0, f, shape, src_ptr)
+                binding.bind_output(f"y.{i}", dst_dev, 0, f, shape, dst_ptr)
         self._blocks.run_with_iobinding(binding)
 
     def rows_of(self, slot: int, n: int | None = None) -> np.ndarray:

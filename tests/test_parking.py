@@ -218,3 +218,22 @@ def test_a_turn_running_above_one_that_ends_moves_down_mid_turn(model):
         np.testing.assert_array_equal(codes(got_b), codes(ref_b))
     got, ref = audio(got_b), audio(ref_b)
     assert got.shape == ref.shape and np.abs(got - ref).max() <= tts_tolerance(ref)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_a_slot_move_copies_exactly_the_filled_rows(dtype):
+    """BackboneKVPool.move (a stream's rows to another slot, on the device: a detach's and a trade's copy) gives
+    the destination exactly the source's filled rows, leaves the other slots alone, and moves the length."""
+    from engine.kv import BackboneKVPool
+
+    pool = BackboneKVPool(layers=2, kv_heads=3, head_dim=8, slots=4, rows=50, dtype=np.dtype(dtype))
+    rng = np.random.default_rng(7)
+    rows = {s: rng.standard_normal((2, 2, 3, n, 8)).astype(dtype) for s, n in ((1, 20), (2, 37), (3, 5))}
+    for slot, r in rows.items():
+        pool.write_rows(slot, r)
+    pool.move(2, 0)
+    assert list(pool.lengths) == [37, 20, 0, 5]
+    np.testing.assert_array_equal(pool.rows_of(0), rows[2])
+    np.testing.assert_array_equal(pool.rows_of(1), rows[1])
+    np.testing.assert_array_equal(pool.rows_of(3), rows[3])
+    np.testing.assert_array_equal(pool.park_rows(0, 37), rows[2])
