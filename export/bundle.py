@@ -13,10 +13,6 @@ from engine.manifest import FORMAT, FORMAT_VERSION, sha256_file
 from . import EXPORTER_VERSION
 from .graph import GraphBuilder, value_info_summary
 
-# Codec weight storage. (int8 MatMulNBits weights were tried: SNR 34 dB on the tiny golden codec and no
-# speed-up at real size on CPU, where the 1-frame step is not weight-bandwidth-bound; not offered.)
-DTYPES = {"fp32": "float32", "fp16": "float16"}
-
 
 class BundleWriter:
     """Collects graphs and sections for one bundle directory and writes the manifest last.

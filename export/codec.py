@@ -251,7 +251,7 @@ def _declare_present(gb: GraphBuilder, present: str, side: str, index: int, spec
 # ---------------------------------------------------------------------------------------------- graphs
 def build_decoder(ckpt: Checkpoint, spec: CodecSpec, path: Path, weight_dtype) -> GraphBuilder:
     """codes [B, N, n_q_total] + n_quantizers + frame_pos [B] + ring KV → audio [B, N*1920] + new KV."""
-    gb = GraphBuilder("codec_decoder", path, weight_dtype, int8_block_scales=True)
+    gb = GraphBuilder("codec_decoder", path, weight_dtype)
     nq, K = spec.num_quantizers, spec.codebook_size
     codes = gb.input("codes", INT64, ["batch", "frames", nq])
     n_quant = gb.input("n_quantizers", INT64, [])

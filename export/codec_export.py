@@ -13,7 +13,7 @@ from .codec import build_decoder, build_encoder, codec_tensor_names, parse_codec
 
 
 # codec dtype → (encoder, decoder) weight storage. int8 is the decoder's (read whole for every frame of
-# speech): its matmuls read int8 with a scale per block of 32 inputs (MatMulNBits), its dequant table fp16; the
+# speech): its matmuls read int8 with a scale per block of 64 inputs (MatMulNBits), its dequant table fp16; the
 # encoder, which makes the codes of voice prompts, stays fp32 so those codes stay exact.
 CODEC_DTYPES = {"fp32": ("float32", "float32"), "fp16": ("float16", "float16"), "int8": ("float32", "int8")}
 

@@ -512,25 +512,31 @@ def test_tts_agreement_tool_follows_the_fp32_bundle(tts_bundle_for):
 
 @pytest.mark.parametrize("level", [1, 4])
 def test_int8_matmul_weight(tmp_path, level):
-    """GraphBuilder int8 matmul weights: symmetric int8, one scale per output channel, read by MatMulNBits
-    (K padded to whole blocks, one packed weight shared by two nodes). accuracy_level 1 computes exactly
-    with the dequantized weight; level 4 (the export default) also quantizes activations per block on CPU."""
+    """GraphBuilder int8 matmul weights: symmetric int8, one scale per block of 64 inputs of each output row
+    (graph.INT8_BLOCK), read by MatMulNBits (K padded to whole blocks, one packed weight shared by two nodes).
+    accuracy_level 1 computes exactly with the dequantized weight; level 4 (the export default) also
+    quantizes activations per block on CPU."""
     from onnx import TensorProto
 
-    from export.graph import GraphBuilder, quantize_int8
+    from export.graph import INT8_BLOCK, GraphBuilder, quantize_blocks
 
+    assert INT8_BLOCK == 64
     rng = np.random.default_rng(0)
-    w = (rng.standard_normal((6, 40)) * np.array([1e-3, 1, 10, 0, 1, 100])[:, None]).astype(np.float32)  # [out, in]
+    w = (rng.standard_normal((6, 140)) * np.array([1e-3, 1, 10, 0, 1, 100])[:, None]).astype(np.float32)  # [out, in]
+    w[4, 64:128] *= 50                                   # one block of row 4 far larger than the rest of it
     gb = GraphBuilder("q", tmp_path / "q.onnx", np.int8, int8_accuracy_level=level)
-    x = gb.input("x", TensorProto.FLOAT, [2, 3, 40])
+    x = gb.input("x", TensorProto.FLOAT, [2, 3, 140])
     handle = gb.matmul_weight(w, "w")
     gb.output(gb.op("Add", [gb.matmul(x, handle), gb.matmul(x, handle)]), "y", TensorProto.FLOAT, [2, 3, 6])
     gb.save()
-    xv = rng.standard_normal((2, 3, 40)).astype(np.float32)
+    xv = rng.standard_normal((2, 3, 140)).astype(np.float32)
     y = ort.InferenceSession(str(tmp_path / "q.onnx"), providers=["CPUExecutionProvider"]).run(None, {"x": xv})[0]
-    q, scale = quantize_int8(w, 0)
-    assert q.dtype == np.int8 and scale.shape == (6,) and np.abs(q).max() == 127
-    exact = 2 * xv @ (q.astype(np.float32) * scale[:, None]).T
+    packed, scales = quantize_blocks(w, 64, 8)
+    assert packed.shape == (6, 3, 64) and scales.shape == (18,)
+    deq = ((packed.astype(np.float32) - 128) * scales.reshape(6, 3, 1)).reshape(6, 192)[:, :140]
+    # each block has its own scale: row 4's small blocks keep their precision beside its large one
+    assert np.abs(deq[4, :64] - w[4, :64]).max() <= np.abs(w[4, :64]).max() / 254 + 1e-6
+    exact = 2 * xv @ deq.T
     if level == 1:
         np.testing.assert_allclose(y, exact, rtol=1e-5, atol=1e-5)
     else:   # int8 activations: ~1% of each output's magnitude scale
