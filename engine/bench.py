@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import re
 import statistics
 import time
@@ -12,15 +13,27 @@ import numpy as np
 from .codec import Codec
 from .errors import InputError
 from .limits import Limits
-from .roofline import format_roofline, frame_bytes, memory_read_bandwidth, roofline, stage_bytes
+from .roofline import ReadProbe, format_roofline, frame_bytes, roofline, stage_bytes
+
+
+def _probing(probe: ReadProbe | None, threads: int):
+    """``probe`` as it is (a caller pooling the samples of several benches), or a new one for this bench."""
+    return contextlib.nullcontext(probe) if probe is not None else ReadProbe(threads)
 
 
 def bench_codec(codec: Codec, frames: int = 24, repeats: int = 3, chunk_sizes=(1, 3, 6),
-                n_quantizers: int = 16, seed: int = 0) -> dict:
+                n_quantizers: int = 16, seed: int = 0, probe: ReadProbe | None = None) -> dict:
     """ms per frame of streaming decode at each chunk size and of one-pass decode over the same frames,
-    the streaming/one-pass ratio, host time outside ``session.run`` as a share, and KV bytes per stream."""
+    the streaming/one-pass ratio, host time outside ``session.run`` as a share, and KV bytes per stream;
+    the memory read probe is sampled after the one-pass runs and after each chunk size's runs."""
     if frames < 1 or repeats < 1:
         raise InputError("bench codec needs frames >= 1 and repeats >= 1")
+    with _probing(probe, codec.bundle.threads) as probe:
+        return _bench_codec(codec, frames, repeats, chunk_sizes, n_quantizers, seed, probe)
+
+
+def _bench_codec(codec: Codec, frames: int, repeats: int, chunk_sizes, n_quantizers: int, seed: int,
+                 probe: ReadProbe) -> dict:
     rng = np.random.default_rng(seed)
     codes = rng.integers(0, codec.codebook_size, size=(frames, n_quantizers), dtype=np.int64)
     codec.decode(codes[:2], n_quantizers)  # warm-up: session creation, first-run allocations
@@ -33,6 +46,7 @@ def bench_codec(codec: Codec, frames: int = 24, repeats: int = 3, chunk_sizes=(1
         return time.perf_counter() - t
 
     one = [one_pass() for _ in range(repeats)]
+    probe.sample()
     results["one_pass_ms_per_frame"] = 1000 * statistics.median(one) / frames
     for n in chunk_sizes:
         per_frame, host = [], []
@@ -43,6 +57,7 @@ def bench_codec(codec: Codec, frames: int = 24, repeats: int = 3, chunk_sizes=(1
                 dec.decode(codes[f:f + n])
             per_frame.append((time.perf_counter() - t) / frames)
             host.append(dec.timing.host_share)
+        probe.sample()
         ms = 1000 * statistics.median(per_frame)
         results["streaming"][n] = {"ms_per_frame": ms,
                                    "ratio_to_one_pass": ms / results["one_pass_ms_per_frame"],
@@ -60,7 +75,7 @@ def bench_codec(codec: Codec, frames: int = 24, repeats: int = 3, chunk_sizes=(1
     call = stage_bytes(codec.bundle)["codec call"]
     results["roofline"] = roofline({f"codec, {n} frame(s)/call, per frame": (call // n, s["ms_per_frame"])
                                     for n, s in results["streaming"].items()},
-                                   memory_read_bandwidth(codec.bundle.threads))
+                                   probe.result())
     return results
 
 
@@ -86,19 +101,27 @@ def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
-def bench_synth(model, frames: int = 16, repeats: int = 3, seed: int = 0) -> dict:
+def bench_synth(model, frames: int = 16, repeats: int = 3, seed: int = 0, probe: ReadProbe | None = None) -> dict:
     """Per-frame cost of each stage of synthesis (median over repeats, after a warm-up run): backbone
     prefill per prompt row, backbone step, depth and TTS frame interval (all after frame 0), codec
     (1 frame per call), the real-time factor, the host share (wall time outside ``session.run`` in the
-    frame loop) and peak RSS. Runs a streaming session fed the text's ids, as a voice agent would."""
-    from .session import StreamingSession
-
+    frame loop) and peak RSS. Runs a streaming session fed the text's ids, as a voice agent would. The
+    memory read probe is sampled after each timed run."""
     if frames < 2 or repeats < 1:
         raise InputError("bench synth needs frames >= 2 and repeats >= 1")
+    with _probing(probe, model.bundle.threads) as probe:
+        return _bench_synth(model, frames, repeats, seed, probe)
+
+
+def _bench_synth(model, frames: int, repeats: int, seed: int, probe: ReadProbe) -> dict:
+    from .session import StreamingSession
+
     ids = model.tokenizer.encode(BENCH_TEXT)
     n0 = model.layout.text_lead
     runs = []
-    for _ in range(repeats + 1):
+    for run in range(repeats + 1):
+        if run > 1:
+            probe.sample()                          # after each timed run but the last (sampled below)
         s = StreamingSession(model, seed=seed)
         t = s.runner.timing
         s.begin_turn(max_frames=frames)
@@ -126,6 +149,7 @@ def bench_synth(model, frames: int = 16, repeats: int = 3, seed: int = 0) -> dic
             "frame_ms": 1000 * (loop_s - d["codec"].total_s) / steps,
             "host_share": (loop_s - inside) / loop_s if loop_s else 0.0,
         })
+    probe.sample()
     med = {k: statistics.median(r[k] for r in runs[1:]) for k in runs[0]}
     frame_s = model.codec.frame_seconds
     med["rtf"] = (med["frame_ms"] + med["codec_ms"]) / (1000 * frame_s)
@@ -135,7 +159,7 @@ def bench_synth(model, frames: int = 16, repeats: int = 3, seed: int = 0) -> dic
     med["roofline"] = roofline({"backbone step": (per_call["backbone step"], med["backbone_step_ms"]),
                                 "depth": (per_call["depth"], med["depth_ms"]),
                                 "codec, 1 frame/call": (per_call["codec call"], med["codec_ms"])},
-                               memory_read_bandwidth(model.bundle.threads))
+                               probe.result())
     med["roofline"].update(frame_bytes=frame_bytes(per_call, 6), codec_frames_per_call=6)
     return med
 
@@ -361,8 +385,9 @@ def bench_compare(model, frames: int = 8, streams: int = 8, voice_seconds: float
     each with its ratio to the upstream PyTorch CPU baseline."""
     from .scheduler import Scheduler
 
-    synth = bench_synth(model, frames=frames, repeats=repeats)
-    codec = bench_codec(model.codec, frames=12, repeats=repeats, chunk_sizes=(1, 3, 6))
+    with ReadProbe(model.bundle.threads) as probe:        # one series across both: the steady frame joins them
+        synth = bench_synth(model, frames=frames, repeats=repeats, probe=probe)
+        codec = bench_codec(model.codec, frames=12, repeats=repeats, chunk_sizes=(1, 3, 6), probe=probe)
     ids = model.tokenizer.encode(BENCH_TEXT)
     rng = np.random.default_rng(0)
     voice_wav = (rng.standard_normal(int(voice_seconds * model.codec.sample_rate)) * 0.1).astype(np.float32)
@@ -405,7 +430,7 @@ def bench_compare(model, frames: int = 8, streams: int = 8, voice_seconds: float
                       "codec, 6 frames/call, per frame": (per_call["codec call"] // 6,
                                                           codec["streaming"][6]["ms_per_frame"]),
                       "steady frame (step+depth+codec@6)": (frame_bytes(per_call, 6), steady)},
-                     codec["roofline"]["probe"])
+                     probe.result())
     lines.update(frame_bytes=frame_bytes(per_call, 6), codec_frames_per_call=6)
     return {
         "device": model.bundle.device, "tts_dtype": model.bundle.info.tts.dtype,

@@ -1,6 +1,6 @@
 """The bandwidth roofline of a bundle's per-frame stages: the bytes of weights each stage reads per call
 (from its graph's initializers), the bandwidth that achieved at the measured time, and its share of what
-this machine's memory delivers (a read probe run in the same process, at the same thread count)."""
+this machine's memory delivers (read probes at the same thread count, taken between the timed runs)."""
 
 from __future__ import annotations
 
@@ -23,12 +23,42 @@ def probe_threads(threads: int) -> int:
     return threads if threads > 0 else len(os.sched_getaffinity(0))
 
 
-def memory_read_bandwidth(threads: int = 0, nbytes: int = PROBE_BYTES, repeats: int = PROBE_REPEATS) -> dict:
-    """Best of ``repeats`` timed reads of an ``nbytes`` float64 buffer, summed in ``threads`` slices in
-    parallel (numpy releases the GIL in a reduction): bytes per second this machine reads from memory.
-    Run in a child process, so its buffer never counts in the bench's own peak RSS."""
-    with multiprocessing.get_context("spawn").Pool(1) as pool:
-        return pool.apply(_read_probe, (probe_threads(threads), nbytes, repeats))
+class ReadProbe:
+    """The memory read probe, sampled between a bench's runs: on a shared machine the bandwidth moves by tens
+    of percent within minutes, so one probe taken before or after the timed runs says little about the
+    bandwidth they had. ``sample()`` runs one probe (:func:`_read_probe`) in a child process kept for the
+    bench (so its buffer never shows in the bench's peak RSS, and numpy is imported once); ``result()``
+    gives the median sample, with every sample's bandwidth beside it."""
+
+    def __init__(self, threads: int = 0, nbytes: int = PROBE_BYTES, repeats: int = PROBE_REPEATS):
+        self.threads, self.nbytes, self.repeats = probe_threads(threads), nbytes, repeats
+        self.samples: list[dict] = []
+        self._pool = None
+
+    def __enter__(self) -> "ReadProbe":
+        self._pool = multiprocessing.get_context("spawn").Pool(1)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._pool.terminate()
+        self._pool.join()
+
+    def sample(self) -> dict:
+        s = self._pool.apply(_read_probe, (self.threads, self.nbytes, self.repeats))
+        self.samples.append(s)
+        return s
+
+    def result(self) -> dict:
+        return combine_probes(self.samples)
+
+
+def combine_probes(samples: list[dict]) -> dict:
+    """One probe result from several samples: the median sample's figures (upper median for an even count),
+    and ``samples_bytes_per_s``, every sample's bandwidth in the order taken."""
+    if not samples:
+        raise ValueError("no memory probe samples")
+    mid = sorted(samples, key=lambda s: s["bytes_per_s"])[len(samples) // 2]
+    return dict(mid, samples_bytes_per_s=[s["bytes_per_s"] for s in samples])
 
 
 def _read_probe(n: int, nbytes: int, repeats: int) -> dict:
@@ -74,8 +104,11 @@ def frame_bytes(per_call: dict[str, int], codec_frames_per_call: int) -> int:
 
 def format_roofline(r: dict) -> list[str]:
     p = r["probe"]
-    lines = [f"  roofline: memory read probe {p['bytes_per_s'] / 1e9:.1f} GB/s ({p['bytes'] / 2**30:.1f} GiB, "
-             f"{p['threads']} threads, best of {p['repeats']})",
+    seen = p.get("samples_bytes_per_s", [p["bytes_per_s"]])
+    spread = (f"median of {len(seen)} probes between the runs, {min(seen) / 1e9:.1f}-{max(seen) / 1e9:.1f}; "
+              if len(seen) > 1 else "")
+    lines = [f"  roofline: memory read probe {p['bytes_per_s'] / 1e9:.1f} GB/s ({spread}{p['bytes'] / 2**30:.1f} GiB, "
+             f"{p['threads']} threads, each best of {p['repeats']})",
              f"    {'stage':<40} {'weights read':>13} {'ms':>9} {'GB/s':>7} {'roofline':>9}"]
     for name, s in r["stages"].items():
         lines.append(f"    {name:<40} {s['bytes'] / 1e6:10.1f} MB {s['ms']:9.2f} {s['bytes_per_s'] / 1e9:7.2f} "

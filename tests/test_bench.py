@@ -22,6 +22,8 @@ def assert_roofline_consistent(roof: dict) -> None:
     probe = roof["probe"]
     assert probe["bytes_per_s"] > 0 and probe["threads"] >= 1
     assert abs(probe["bytes_per_s"] - probe["bytes"] / probe["seconds"]) <= 1e-9 * probe["bytes_per_s"]
+    seen = sorted(probe["samples_bytes_per_s"])             # the roofline is the median of the samples taken
+    assert seen[len(seen) // 2] == probe["bytes_per_s"]
     for name, st in roof["stages"].items():
         assert st["bytes"] > 0 and st["ms"] > 0, name
         assert abs(st["bytes_per_s"] - st["bytes"] / (st["ms"] / 1000)) <= 1e-9 * st["bytes_per_s"], name
@@ -52,6 +54,17 @@ def test_weight_bytes_per_call_counts_each_read():
     assert weight_bytes_per_call(helper.make_model(graph)) == 2 * 4 * 8 * 4 + 3 * 4 * 4 * 4
 
 
+def test_probe_samples_combine_to_their_median():
+    """The roofline's probe is the median sample (upper median for an even count), whatever the order taken."""
+    from engine.roofline import combine_probes
+
+    samples = [{"bytes": 8, "seconds": s, "bytes_per_s": 8 / s, "threads": 2, "repeats": 5} for s in (1, 4, 2, 8)]
+    p = combine_probes(samples)
+    assert p["seconds"] == 2
+    assert p["bytes_per_s"] == 4.0 and p["samples_bytes_per_s"] == [8.0, 2.0, 4.0, 1.0]
+    assert combine_probes(samples[:3])["bytes_per_s"] == 4.0
+
+
 def test_bench_codec_roofline(codec_bundle_dir, tmp_path):
     import onnx
 
@@ -61,6 +74,7 @@ def test_bench_codec_roofline(codec_bundle_dir, tmp_path):
                  "--json", tmp_path / "c.json")
     roof = json.loads((tmp_path / "c.json").read_text())["roofline"]
     assert_roofline_consistent(roof)
+    assert len(roof["probe"]["samples_bytes_per_s"]) == 4      # after the one-pass runs and each chunk size's
     call = weight_bytes_per_call(onnx.load(str(codec_bundle_dir / "codec_decoder.onnx"), load_external_data=False))
     assert {name: st["bytes"] for name, st in roof["stages"].items()} == {
         f"codec, {n} frame(s)/call, per frame": call // n for n in (1, 3, 6)}
@@ -97,6 +111,7 @@ def test_bench_compare(full_bundle_dir, tmp_path):
     assert "ratio = ours / upstream" in out and "time to first audio" in out
     roof = r["roofline"]
     assert_roofline_consistent(roof)
+    assert len(roof["probe"]["samples_bytes_per_s"]) == 1 + 4  # synth's one timed run, codec's four sample points
     stages = roof["stages"]
     assert set(stages) == {"backbone step", "depth", "codec, 1 frame/call", "codec, 6 frames/call, per frame",
                            "steady frame (step+depth+codec@6)"}
@@ -119,3 +134,16 @@ def test_bench_compare(full_bundle_dir, tmp_path):
         ms, baseline, ratio = printed[key]
         assert abs(ms - ours) <= 0.05 + 1e-9 and abs(baseline - base) <= 0.05 + 1e-9, (key, printed[key], ours, base)
         assert abs(ratio - ours / base) <= 5e-4 + 1e-12, (key, ratio, ours / base)
+
+
+def test_bench_synth_roofline(full_bundle_dir, tmp_path):
+    """Per stage: the bytes each call reads, its bandwidth and share; one probe sample after each timed run."""
+    out = mossrt("bench", "synth", "--bundle", full_bundle_dir, "--frames", "3", "--repeats", "2",
+                 "--json", tmp_path / "s.json")
+    r = json.loads((tmp_path / "s.json").read_text())
+    roof = r["roofline"]
+    assert_roofline_consistent(roof)
+    assert len(roof["probe"]["samples_bytes_per_s"]) == 2
+    assert set(roof["stages"]) == {"backbone step", "depth", "codec, 1 frame/call"}
+    assert roof["stages"]["backbone step"]["ms"] == r["backbone_step_ms"]
+    assert "median of 2 probes between the runs" in out and "one real-time stream needs" in out
