@@ -68,6 +68,10 @@ cleanup() {
     done
     for c in "${mounted[@]}"; do pm image unmount "$c" >/dev/null 2>&1 || true; done
     for c in "${volumes[@]}"; do pm volume rm -f "$c" >/dev/null 2>&1 || true; done
+    if ((rc != 0)) && [[ -f $tmp/failed-build.log ]]; then
+        say "the failed build's last lines again:"
+        tail -n 25 "$tmp/failed-build.log" | sed 's/^/  | /' >&2
+    fi
     rm -rf "$tmp"
     if ((rc != 0)); then say "${failure:-FAIL: exit status $rc}"; fi
     exit "$rc"
@@ -159,18 +163,44 @@ ca=$("$HOST_PYTHON" .ci/pip_build_config.py "$tmp/pip.conf")
 say "pip in the build: $(tr '\n' ' ' <"$tmp/pip.conf")${ca:+; CA bundle $ca}"
 
 declare -A build_seconds
+# free space where podman keeps its layers (a CUDA build needs ~10 GB at its peak: 3.2 GB of venv in the
+# builder, its copy in the final image, pip's downloads while it installs)
+storage_free() {
+    local root
+    root=$(pm info --format '{{.Store.GraphRoot}}' 2>/dev/null) || root=/var/lib/containers
+    df -h --output=avail "$root" 2>/dev/null | tail -n 1 | tr -d ' ' | sed "s|\$| free in $root|" || true
+}
+# the lines of a failed build that say why (pip's and buildah's errors, a full disk, a refused download)
+build_reason() {
+    grep -E -i 'error|no space|denied|timed? ?out|refused|could not|cannot|not found|failed' "$1" \
+        | grep -v -i 'WARNING: Location' | tail -n 4 | cut -c1-300 | paste -sd'|' - || true
+}
 build() {  # FLAVOUR: the builder stage and the final image, both tagged (no dangling stage images)
-    local flavour=$1 stage tag old t0=$SECONDS
+    local flavour=$1 stage tag old log try t0=$SECONDS
     local -a target
     for stage in builder final; do
         tag=$REPO/mossrt:$flavour target=()
         if [[ $stage == builder ]]; then tag+=-builder target=(--target builder); fi
         old=$(image_id "$tag")
-        say "podman build ${target[*]} -f docker/Dockerfile.$flavour -t $tag"
-        pm build --format docker --network host "${ULIMITS[@]}" "${secrets[@]}" \
-            --build-arg PYTHON_IMAGE="$BASE_IMAGE" "${target[@]}" \
-            -f "docker/Dockerfile.$flavour" -t "$tag" . >"$tmp/build-$flavour-$stage.log" 2>&1 \
-            || { tail -n 40 "$tmp/build-$flavour-$stage.log" >&2; fail "podman build of docker/Dockerfile.$flavour failed"; }
+        log=$tmp/build-$flavour-$stage.log
+        # a second try only after a first failure, its reason said: a package index that drops a 700 MB
+        # download is not the image's fault; a broken Dockerfile fails both
+        for try in 1 2; do
+            say "podman build ${target[*]} -f docker/Dockerfile.$flavour -t $tag ($(storage_free))"
+            if pm build --format docker --network host "${ULIMITS[@]}" "${secrets[@]}" \
+                --build-arg PYTHON_IMAGE="$BASE_IMAGE" "${target[@]}" \
+                -f "docker/Dockerfile.$flavour" -t "$tag" . >"$log" 2>&1; then
+                break
+            fi
+            tail -n 40 "$log" >&2
+            cp "$log" "$tmp/failed-build.log"
+            if ((try == 2)); then
+                fail "podman build of docker/Dockerfile.$flavour ($stage stage) failed twice: $(build_reason "$log"); $(storage_free)"
+            fi
+            say "podman build of docker/Dockerfile.$flavour ($stage stage) failed: $(build_reason "$log"); $(storage_free); pruning dangling images and trying once more"
+            pm image prune -f >/dev/null 2>&1 || true
+        done
+        rm -f "$tmp/failed-build.log"
         drop_if_untagged "$old"
     done
     build_seconds[$flavour]=$((SECONDS - t0))
@@ -287,6 +317,11 @@ run_cpu_image() {
     logs=$(pm logs "$name" 2>&1)
     grep -q 'drained' <<<"$logs" || fail "the server did not log its drain"
     say "podman stop -t $stop_limit: drained and exited 0 in $secs s"
+    # done with: a later failure's log ends with that failure, not with this container's log
+    pm rm -f -t 0 "$name" >/dev/null 2>&1 || true
+    local kept=() c
+    for c in "${containers[@]}"; do [[ $c == "$name" ]] || kept+=("$c"); done
+    containers=("${kept[@]}")
 }
 
 # ------------------------------------------------------------------------------------------- main
