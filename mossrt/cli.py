@@ -81,7 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="weight storage type of the TTS graphs (and of the codec when fp32/fp16)")
     e.add_argument("--codec-dtype", choices=["fp32", "fp16", "int8"],
                    help="codec weight storage (default: --dtype if fp32/fp16, else fp32); int8: the decoder's "
-                        "matmuls in 8 bits with a scale per block of 32 inputs, the encoder fp32")
+                        "matmuls in 8 bits with a scale per block of 64 inputs, the encoder fp32")
     # compute dtype: independent of how weights are stored (--dtype)
     e.add_argument("--compute-dtype", default="fp32", choices=["fp32", "fp16", "bf16"],
                    help="what the TTS backbone and depth transformer compute in (and the backbone keeps its KV "

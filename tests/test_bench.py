@@ -7,6 +7,9 @@ import re
 import subprocess
 import sys
 
+import numpy as np
+import pytest
+
 from conftest import TEST_DEVICE
 
 
@@ -63,6 +66,20 @@ def test_probe_samples_combine_to_their_median():
     assert p["seconds"] == 2
     assert p["bytes_per_s"] == 4.0 and p["samples_bytes_per_s"] == [8.0, 2.0, 4.0, 1.0]
     assert combine_probes(samples[:3])["bytes_per_s"] == 4.0
+
+
+def test_read_probe_reads_each_share_whole(monkeypatch):
+    """The probe reads its whole buffer, split over its threads: each share's maximum is the mark written at
+    its end, and a pass that stopped short of a share's end is refused rather than timed."""
+    import engine.roofline as roofline
+
+    p = roofline._read_probe(3, 3 * 4096, 2)
+    assert p["bytes"] == 3 * 4096 and p["threads"] == 3 and p["repeats"] == 2
+    assert abs(p["bytes_per_s"] - p["bytes"] / p["seconds"]) <= 1e-9 * p["bytes_per_s"]
+    real_max = np.max
+    monkeypatch.setattr(roofline.np, "max", lambda a: real_max(a[:-1]))   # a read that misses the last element
+    with pytest.raises(RuntimeError, match="wrong maximum"):
+        roofline._read_probe(2, 2 * 4096, 1)
 
 
 def test_bench_codec_roofline(codec_bundle_dir, tmp_path):
