@@ -249,9 +249,11 @@ def _declare_present(gb: GraphBuilder, present: str, side: str, index: int, spec
 
 
 # ---------------------------------------------------------------------------------------------- graphs
-def build_decoder(ckpt: Checkpoint, spec: CodecSpec, path: Path, weight_dtype) -> GraphBuilder:
-    """codes [B, N, n_q_total] + n_quantizers + frame_pos [B] + ring KV → audio [B, N*1920] + new KV."""
-    gb = GraphBuilder("codec_decoder", path, weight_dtype)
+def build_decoder(ckpt: Checkpoint, spec: CodecSpec, path: Path, weight_dtype,
+                  block_size: int | None = None) -> GraphBuilder:
+    """codes [B, N, n_q_total] + n_quantizers + frame_pos [B] + ring KV → audio [B, N*1920] + new KV
+    (``block_size``: int8 matmul weights' scale block, default graph.INT8_BLOCK)."""
+    gb = GraphBuilder("codec_decoder", path, weight_dtype, block_size=block_size)
     nq, K = spec.num_quantizers, spec.codebook_size
     codes = gb.input("codes", INT64, ["batch", "frames", nq])
     n_quant = gb.input("n_quantizers", INT64, [])

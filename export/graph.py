@@ -54,6 +54,10 @@ COMPUTE_DTYPES = {"fp32": np.dtype(np.float32), "fp16": np.dtype(np.float16), "b
 # faster), with code agreement on set-a no worse than 32-input blocks with one scale per row. 4 bits keep 32:
 # a coarser block costs them accuracy. The CUDA kernel computes in the activation type regardless.
 INT8_BLOCK = 64
+# The int8 blocks `mossrt export --int8-block` offers. 128 halves the scales: on a 2-vCPU Xeon (300 MiB L3,
+# AMX) its kernel ran a 73-row prefill matmul 25 % and one-row ones 13-15 % faster than 64, for a little more
+# error (docs/export.md); 256 was no faster than 128.
+INT8_BLOCKS = (64, 128)
 INT4_BLOCK = 32
 INT8_ACCURACY_LEVEL = 4
 

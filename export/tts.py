@@ -291,7 +291,7 @@ def kv_names(layer: int) -> tuple[str, str, str, str]:
 
 # ---------------------------------------------------------------------------------------------- backbone
 def build_backbone(ckpt: Checkpoint, cfg: TTSConfig, path: Path, weight_dtype, matmul_bits: int = 8,
-                   compute_dtype=np.float32) -> GraphBuilder:
+                   compute_dtype=np.float32, block_size: int | None = None) -> GraphBuilder:
     """grid [B, T, 17] + position_ids [B, T] + seqlens_k [B] + total_sequence_length [] + per-layer KV slots [B, KV, capacity, D]
     → hidden [B, T, hidden] (float32).
 
@@ -308,7 +308,8 @@ def build_backbone(ckpt: Checkpoint, cfg: TTSConfig, path: Path, weight_dtype, m
     (GroupQueryAttention's rule), which is how prefills run. KV and activations are ``compute_dtype``.
     """
     s = cfg.backbone
-    gb = GraphBuilder("backbone", path, weight_dtype, matmul_bits=matmul_bits, compute_dtype=compute_dtype)
+    gb = GraphBuilder("backbone", path, weight_dtype, matmul_bits=matmul_bits, compute_dtype=compute_dtype,
+                      block_size=block_size)
     grid = gb.input("grid", INT64, ["batch", "rows", cfg.rvq + 1])
     positions = gb.input("position_ids", INT64, ["batch", "rows"])
     seqlens = gb.input("seqlens_k", INT32, ["batch"])
@@ -526,7 +527,7 @@ class DepthLayer(Layer):
 
 
 def build_depth(ckpt: Checkpoint, cfg: TTSConfig, path: Path, weight_dtype, matmul_bits: int = 8,
-                compute_dtype=np.float32) -> GraphBuilder:
+                compute_dtype=np.float32, block_size: int | None = None) -> GraphBuilder:
     """One whole frame: hidden [B, hidden] → codes [B, 16], raw head logits [B, 16, V] and ``finite`` [B]
     (whether a row's logits are all finite).
 
@@ -539,7 +540,8 @@ def build_depth(ckpt: Checkpoint, cfg: TTSConfig, path: Path, weight_dtype, matm
     penalties, temperature, top-k/top-p and the draw are the same whatever the transformer computes in.
     """
     s, V, N = cfg.local, cfg.audio_vocab, cfg.rvq
-    gb = GraphBuilder("depth", path, weight_dtype, matmul_bits=matmul_bits, compute_dtype=compute_dtype)
+    gb = GraphBuilder("depth", path, weight_dtype, matmul_bits=matmul_bits, compute_dtype=compute_dtype,
+                      block_size=block_size)
     hidden = gb.input("hidden", FLOAT, ["batch", s.hidden])
     x = gb.to_compute(gb.unsqueeze(hidden, [1]), np.float32)                             # [B, 1, H]
     history = gb.input("history", INT64, ["batch", "window", N])

@@ -82,6 +82,10 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--codec-dtype", choices=["fp32", "fp16", "int8"],
                    help="codec weight storage (default: --dtype if fp32/fp16, else fp32); int8: the decoder's "
                         "matmuls in 8 bits with a scale per block of 64 inputs, the encoder fp32")
+    e.add_argument("--int8-block", type=int, choices=[64, 128],
+                   help="inputs per fp32 scale of int8 matmul weights (--dtype int8, --codec-dtype int8): 64 "
+                        "(default) or 128, fewer scales and a faster CPU kernel for a little more error "
+                        "(docs/export.md)")
     # compute dtype: independent of how weights are stored (--dtype)
     e.add_argument("--compute-dtype", default="fp32", choices=["fp32", "fp16", "bf16"],
                    help="what the TTS backbone and depth transformer compute in (and the backbone keeps its KV "

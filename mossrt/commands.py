@@ -53,6 +53,7 @@ def cmd_export(args) -> None:
     from export.checkpoint import Checkpoint, resolve_checkpoint
     from export.codec import parse_codec_config
     from export.codec_export import export_codec
+    from export.graph import INT8_BLOCK
     from export.tts import parse_tts_config
     from export.tokenizer_export import export_tokenizer, find_tokenizer
 
@@ -66,15 +67,20 @@ def cmd_export(args) -> None:
     if model_dir:
         parse_tts_config(Checkpoint(model_dir).config)
     tokenizer = find_tokenizer(resolve_checkpoint(args.tokenizer) if args.tokenizer else model_dir) if model_dir else None
+    codec_dtype = args.codec_dtype or (args.dtype if args.dtype in ("fp32", "fp16") else "fp32")
+    int8_block = getattr(args, "int8_block", None)
+    if int8_block is not None and not ((model_dir and args.dtype == "int8") or (codec_dir and codec_dtype == "int8")):
+        raise CliError("--int8-block sets the blocks of int8 weights: it needs --dtype int8 (with --model) or "
+                       "--codec-dtype int8 (with --codec)")
+    int8_block = int8_block or INT8_BLOCK
     writer = BundleWriter(args.out)
     if codec_dir:
-        codec_dtype = args.codec_dtype or (args.dtype if args.dtype in ("fp32", "fp16") else "fp32")
-        export_codec(codec_dir, writer, codec_dtype, progress, progress_bar=True)
+        export_codec(codec_dir, writer, codec_dtype, progress, progress_bar=True, int8_block=int8_block)
     if model_dir:
         from export.tts_export import export_tts
 
         export_tts(model_dir, writer, args.dtype, progress, progress_bar=True,
-                   compute_dtype=getattr(args, "compute_dtype", "fp32"))
+                   compute_dtype=getattr(args, "compute_dtype", "fp32"), int8_block=int8_block)
         export_tokenizer(tokenizer, writer)
     path = writer.finish()
     progress(f"bundle written: {path.parent}")

@@ -90,7 +90,8 @@ def _export_tts_bundle(tmp_path_factory, dtype: str, compute_dtype: str) -> Path
 
     out = tmp_path_factory.mktemp(f"bundle_tts_{dtype}_{compute_dtype}")
     writer = BundleWriter(out)
-    export_tts(TTS_CHECKPOINT, writer, dtype=dtype, compute_dtype=compute_dtype)
+    weights, _, block = dtype.partition("-b")               # "int8-b128": int8 in blocks of 128
+    export_tts(TTS_CHECKPOINT, writer, dtype=weights, compute_dtype=compute_dtype, int8_block=int(block or 64))
     writer.finish()
     return out
 
@@ -98,7 +99,7 @@ def _export_tts_bundle(tmp_path_factory, dtype: str, compute_dtype: str) -> Path
 @pytest.fixture(scope="session")
 def tts_bundle_for(tmp_path_factory):
     """``tts_bundle_for(dtype, compute_dtype="fp32")``: the golden TTS checkpoint exported with that weight
-    storage and compute dtype, once per session."""
+    storage (``int8-b128``: int8 in blocks of 128) and compute dtype, once per session."""
     cache: dict[tuple[str, str], Path] = {}
 
     def get(dtype: str, compute_dtype: str = "fp32") -> Path:

@@ -43,6 +43,36 @@ def test_export_errors(tmp_path):
     assert proc.returncode == 2 and "no such checkpoint directory" in proc.stderr
 
 
+def test_int8_block_cli(tmp_path):
+    """--int8-block 128 writes every int8 matmul weight (backbone, depth, codec decoder) in blocks of 128 and
+    records it in the manifest; the default is 64; a bundle with no int8 weights refuses the option."""
+    import onnx
+
+    from export.demo import TOKENIZER_JSON
+
+    tok_dir = tmp_path / "tok"
+    tok_dir.mkdir()
+    shutil.copy(TOKENIZER_JSON, tok_dir / "tokenizer.json")
+    common = ["--model", GOLDEN / "checkpoints/tts", "--codec", GOLDEN / "checkpoints/codec", "--tokenizer", tok_dir,
+              "--dtype", "int8", "--codec-dtype", "int8"]
+    for block, extra in ((128, ["--int8-block", "128"]), (64, [])):
+        out = tmp_path / f"b{block}"
+        proc = mossrt("export", *common, *extra, "--out", out)
+        assert proc.returncode == 0, proc.stderr
+        m = json.loads((out / "manifest.json").read_text())
+        assert m["tts"]["int8_block"] == block and m["codec"]["int8_block"] == block
+        for graph in ("backbone", "depth", "codec_decoder"):
+            nodes = [n for n in onnx.load(str(out / f"{graph}.onnx"), load_external_data=False).graph.node
+                     if n.op_type == "MatMulNBits"]
+            blocks = {a.i for n in nodes for a in n.attribute if a.name == "block_size"}
+            assert nodes and blocks == {block}, (graph, blocks)
+    proc = mossrt("export", "--codec", GOLDEN / "checkpoints/codec", "--codec-dtype", "fp32", "--int8-block", "128",
+                  "--out", tmp_path / "c")
+    assert proc.returncode == 2 and "--int8-block" in proc.stderr and "Traceback" not in proc.stderr
+    proc = mossrt("export", *common, "--int8-block", "96", "--out", tmp_path / "d")
+    assert proc.returncode == 2 and "invalid choice" in proc.stderr
+
+
 def test_hub_id_needs_the_hub_extra(tmp_path):
     proc = mossrt("export", "--model", "OpenMOSS-Team/MOSS-TTS-Realtime", "--out", tmp_path / "b")
     # without the hub extra: how to get it; with it (no network here): the download error. Never a traceback.
