@@ -257,18 +257,27 @@ class TTSService:
             raise ApiError("invalid_value", str(e)) from None
 
     def open_stream(self, voice_codes, params: SamplingParams, seed: int | None, sink,
-                    allow_special_tokens: bool = False) -> StreamHandle:
+                    allow_special_tokens: bool = False, *, one_shot: bool = False,
+                    may_park_others: bool = True) -> StreamHandle:
+        """A scheduler stream (``Scheduler.open_stream``): ``one_shot`` for one utterance (its slot freed
+        without a copy when its turn ends, never parked), ``may_park_others`` False for one whose turns take
+        only a free slot (never park another stream's context, so never evict one)."""
         return self.scheduler.open_stream(voice_codes=voice_codes, params=params, seed=seed, sink=sink,
-                                          allow_special_tokens=allow_special_tokens)
+                                          allow_special_tokens=allow_special_tokens, one_shot=one_shot,
+                                          may_park_others=may_park_others)
 
     def start_utterance(self, ids, voice_codes, params: SamplingParams, seed: int | None, sink,
                         max_frames: int | None = None, allow_special_tokens: bool = False,
-                        wait: float | None = None, text: str | None = None) -> StreamHandle:
-        """A stream fed one whole utterance (its ids, then the end of its text). Blocks while it waits for a
-        slot (``wait``, default the queue timeout): call it off the event loop. Closed again if that fails.
-        ``text`` (whose tokenization ``ids`` is) is fed as text instead, the same ids, so that frames say
-        which characters they read (alignment)."""
-        handle = self.open_stream(voice_codes, params, seed, sink, allow_special_tokens)
+                        wait: float | None = None, text: str | None = None,
+                        may_park_others: bool = True) -> StreamHandle:
+        """A one-shot stream fed one whole utterance (its ids, then the end of its text): when its turn ends
+        its slot is freed without a copy, never parked. Blocks while it waits for a slot (``wait``, default
+        the queue timeout): call it off the event loop. Closed again if that fails. ``text`` (whose
+        tokenization ``ids`` is) is fed as text instead, the same ids, so that frames say which characters
+        they read (alignment). ``may_park_others`` False: it takes only a free slot (it never parks, so
+        never evicts, another stream's context)."""
+        handle = self.open_stream(voice_codes, params, seed, sink, allow_special_tokens, one_shot=True,
+                                  may_park_others=may_park_others)
         try:
             handle.begin_turn(max_frames=max_frames, wait=wait)
             self._feed_utterance(handle, ids, text)
@@ -279,12 +288,14 @@ class TTSService:
 
     async def astart_utterance(self, ids, voice_codes, params: SamplingParams, seed: int | None, sink,
                                max_frames: int | None = None, allow_special_tokens: bool = False,
-                               arrived: float | None = None, text: str | None = None) -> StreamHandle:
+                               arrived: float | None = None, text: str | None = None,
+                               may_park_others: bool = True) -> StreamHandle:
         """``start_utterance`` for the event loop: waiting for a slot awaits and holds no thread. The queue
         timeout counts from ``arrived`` (the request's ``time.monotonic()`` arrival) when given, so it is
         the time to the 429 however many requests wait."""
         wait = None if arrived is None else max(0.0, self.settings.queue_timeout - (time.monotonic() - arrived))
-        handle = self.open_stream(voice_codes, params, seed, sink, allow_special_tokens)
+        handle = self.open_stream(voice_codes, params, seed, sink, allow_special_tokens, one_shot=True,
+                                  may_park_others=may_park_others)
         try:
             await handle.abegin_turn(max_frames=max_frames, wait=wait)
             self._feed_utterance(handle, ids, text)

@@ -9,6 +9,22 @@ longest: that stream is **parked** (the device loop copies its used KV rows to t
 gets its rows back. With no idle stream to park the caller gets :class:`CapacityError` (the service's 429)
 at its deadline. The slots promised are counted here and only here (:meth:`Admission._promise`,
 :meth:`Admission._free`); the device loop takes the handles to detach, park and attach from :meth:`changes`.
+
+Two properties of a handle, fixed when it is opened, shape this:
+
+- ``one_shot`` (an HTTP, LocalAI or Wyoming ``synthesize`` utterance): it takes one turn, and when that turn
+  ends its slot is given back at once, without a copy (:meth:`Admission.turn_ended`: the loop detaches it as
+  a closed one); it is never idle, so never parked. Its events already delivered still reach its consumer.
+- ``may_park_others`` False (a keyless Wyoming synthesis): it takes only a free slot, never parks an idle
+  stream to make room, so it can cause neither a park nor an eviction. It waits in the same queue. A free
+  slot goes to the head of the queue, whoever it is; when no slot is free, the first waiter that *may* park
+  parks the idlest stream, passing any non-parking waiters ahead of it — those could not have used that
+  slot, and they keep their place for the next free one (so neither kind holds the other up).
+
+A turn's inputs are checked before it asks for a slot (``StreamHandle.begin_turn``); one that still fails
+after admission gives its promise back (:meth:`Admission.turn_failed`) wherever the loop is with it: before
+the loop took it, at once; taken but not attached yet, the loop skips the attach (a parked stream's rows
+stay parked); attached meanwhile, the loop detaches it again, or parks it again when it had rows.
 """
 
 from __future__ import annotations
@@ -20,7 +36,7 @@ from typing import Callable, Protocol
 
 import numpy as np
 
-from .errors import CapacityError, EngineBrokenError, OverloadError
+from .errors import CapacityError, ContextEvictedError, EngineBrokenError, InputError, OverloadError, StreamClosedError
 from .parking import ParkedContexts
 
 
@@ -28,7 +44,11 @@ class SlotHolder(Protocol):
     """What admission reads and writes of a stream handle (``engine.handles.StreamHandle``)."""
 
     closed: bool
+    one_shot: bool                # takes one turn; its slot is given back, never parked, when it ends
+    may_park_others: bool         # False: takes only a free slot (never parks another stream)
     reserved: bool                # promised a slot (changed by the admission only)
+    revoked: bool                 # its promise was given back while the loop held it (the loop completes it)
+    attached: bool                # the loop attached it (changed by the loop, holding the lock)
     turns_begun: int              # turns begun (or beginning), counted here
     turns_ended: int              # their ends, as the device loop delivered them
     pinned: bool                  # fed context rows outside a turn (prime): never parked
@@ -38,10 +58,18 @@ class SlotHolder(Protocol):
     stream: object                # its StreamState (``parked`` is set here)
 
 
-class _AsyncTicket:
+class _Ticket:
+    """A place in the admission queue (a blocking caller's); ``may_park``: its handle may park another."""
+
+    def __init__(self, may_park: bool):
+        self.may_park = may_park
+
+
+class _AsyncTicket(_Ticket):
     """A place in the admission queue held by a coroutine: woken from any thread."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop):
+    def __init__(self, may_park: bool, loop: asyncio.AbstractEventLoop):
+        super().__init__(may_park)
         self.loop = loop
         self.event = asyncio.Event()
 
@@ -67,7 +95,7 @@ class Admission:
         self.promised = 0                     # slots promised to handles (attached or about to be)
         self.parked = ParkedContexts(parked_bytes)
         self._holding: list[SlotHolder] = []  # the handles promised a slot
-        self._waiting: list[object] = []      # tickets of callers waiting for a slot, in order
+        self._waiting: list[_Ticket] = []     # tickets of callers waiting for a slot, in order
         self._to_attach: list[SlotHolder] = []
         self._to_park: list[SlotHolder] = []
         self._to_detach: list[SlotHolder] = []
@@ -95,12 +123,12 @@ class Admission:
         """Promise ``handle`` a slot for a turn (``turn`` False: context rows outside a turn, which pins it),
         waiting up to ``wait`` s (default the queue timeout); False if it already has one."""
         with self._cond:
-            ticket = object()
+            ticket = _Ticket(handle.may_park_others)
             deadline = self._join_queue(handle, ticket, wait, turn)
             if deadline is None:
                 return False
             try:
-                while not self._admissible(ticket):
+                while not self._admissible(handle, ticket):
                     left = deadline - time.monotonic()
                     if left <= 0 or self.stopping:
                         raise self._no_capacity()
@@ -114,7 +142,7 @@ class Admission:
     async def areserve(self, handle: SlotHolder, wait: float | None, turn: bool = True) -> bool:
         """:meth:`reserve` on an event loop: the ticket waits on an asyncio event, set by every change that may
         admit it, so no thread is held however long the queue (the timeout is the time to the refusal)."""
-        ticket = _AsyncTicket(asyncio.get_running_loop())
+        ticket = _AsyncTicket(handle.may_park_others, asyncio.get_running_loop())
         with self._cond:
             deadline = self._join_queue(handle, ticket, wait, turn)
         if deadline is None:
@@ -122,7 +150,7 @@ class Admission:
         try:
             while True:
                 with self._cond:
-                    if self._admissible(ticket):
+                    if self._admissible(handle, ticket):
                         self._admit(handle, turn)
                         return True
                     if self.stopping:
@@ -140,21 +168,34 @@ class Admission:
                 self._waiting.remove(ticket)
                 self._notify()
 
-    def turn_failed(self, handle: SlotHolder, newly: bool) -> None:
-        """A turn that :meth:`reserve` let begin did not open: it is not counted, and a promise made for it
-        (``newly``: before the loop attached it) is given back."""
+    def turn_failed(self, handle: SlotHolder) -> None:
+        """A turn that :meth:`reserve` let begin did not open: it is not counted, and a promise that no open
+        turn needs any more is given back wherever the loop is with it — still queued for the loop: at once
+        (a parked stream's rows stay parked); taken by the loop and not attached yet: ``revoked``, and the
+        loop completes the giving back (:meth:`attaching`, :meth:`attached`); attached with no turn ever
+        ended (nothing in its slot to keep): detached. A stream attached with a context stays as any stream
+        between turns: idle in its slot, which a waiter may take by parking it."""
         with self._cond:
             handle.turns_begun -= 1
+            if handle.reserved and not handle.pinned and handle.turns_begun == handle.turns_ended:
+                if handle in self._to_attach:
+                    self._to_attach.remove(handle)
+                    self._free(handle)
+                elif not handle.attached:
+                    handle.revoked = True
+                elif not handle.turns_ended:
+                    self._give_back(handle)
             self._maybe_idle(handle)
-            if newly and handle in self._to_attach:
-                self._to_attach.remove(handle)
-                self._free(handle)
 
     def turn_ended(self, handle: SlotHolder) -> None:
-        """The device loop delivered the end of one of ``handle``'s turns (before its consumer can see it)."""
+        """The device loop delivered the end of one of ``handle``'s turns (before its consumer can see it). A
+        one-shot handle's slot is given back now, without a copy: nobody resumes it."""
         with self._cond:
             handle.turns_ended += 1
-            self._maybe_idle(handle)
+            if handle.one_shot:
+                self._give_back(handle)
+            else:
+                self._maybe_idle(handle)
 
     def release(self, handle: SlotHolder) -> None:
         """A closed handle's slot is free for admission now: the loop detaches it before it attaches anyone
@@ -162,14 +203,9 @@ class Admission:
         A parked one's rows are dropped."""
         with self._cond:
             self.parked.drop(handle)
-            if not handle.reserved:
-                return
-            if handle in self._to_attach:
-                self._to_attach.remove(handle)
-            else:
-                self._to_detach.append(handle)
-            self._free(handle)
-            self._wake_loop()
+            self._give_back(handle)
+            if self._waiting:
+                self._notify()                 # a waiter that is this handle refuses now
 
     # ------------------------------------------------------------------ the device loop
     def changes(self) -> tuple[list[SlotHolder], list[SlotHolder], list[SlotHolder]]:
@@ -179,13 +215,67 @@ class Admission:
         joining, self._to_attach = self._to_attach, []
         return leaving, parking, joining
 
+    def will_keep(self, handle: SlotHolder, nbytes: int) -> bool:
+        """(Holding the lock.) Whether the loop copies the rows (``nbytes`` of them) of a handle chosen to be
+        parked, decided before the copy: not for a handle closed since it was chosen (its slot is just
+        freed) or whose context is already gone, nor for rows the budget would not keep even once every
+        evictable parked context went (a budget of 0, a context larger than the budget): that handle is
+        evicted at once, without a copy, and the contexts parked before it stay."""
+        if handle.closed or handle.evicted:
+            return False
+        if self.parked.fits(nbytes, self._evictable):
+            return True
+        handle.evicted = True
+        self.parked.refuse()
+        return False
+
     def keep_parked(self, handle: SlotHolder, rows: np.ndarray) -> None:
         """The loop copied a parked handle's rows out (holding the lock): kept within the budget, evicting
-        the oldest parked contexts past it (never one that is taking its slot back)."""
+        the oldest parked contexts past it (never one that is taking its slot back). A waiter whose context
+        is evicted is woken: it refuses at once (ContextEvictedError) instead of waiting for a slot."""
         if handle.closed:
             return
-        for old in self.parked.put(handle, rows, lambda h: not h.reserved):
+        evicted = self.parked.put(handle, rows, self._evictable)
+        for old in evicted:
             old.evicted = True
+        if evicted and self._waiting:
+            self._notify()
+
+    @staticmethod
+    def _evictable(handle: SlotHolder) -> bool:
+        return not handle.reserved           # not one that is taking its slot back
+
+    def attaching(self, handle: SlotHolder) -> bool:
+        """(Holding the lock.) Whether the loop attaches a handle it took from :meth:`changes`, now, before it
+        touches the device: not when its promise was given back meanwhile — a turn that failed after the
+        loop took it (revoked: the promise is freed now, and a parked stream's rows stay parked), a close
+        (its detach is queued), or a park that chose it again."""
+        if handle.revoked:
+            handle.revoked = False
+            if handle.reserved:
+                self._free(handle)
+            return False
+        return handle.reserved
+
+    def attached(self, handle: SlotHolder, resumed: bool) -> None:
+        """(Holding the lock.) The loop attached ``handle`` (``resumed``: with its parked rows). A promise revoked
+        while the attach ran is given back now: a stream with a context is parked again (its rows copied
+        back out: nothing lost), one without one is detached."""
+        if not handle.revoked:
+            if handle.reserved:
+                handle.stream.parked = False
+            return
+        handle.revoked = False
+        if not handle.reserved:
+            return                            # closed, or chosen for parking, meanwhile: already given back
+        if resumed:
+            handle.stream.parked = True
+            self._free(handle)
+            self._to_park.append(handle)
+        else:
+            self._free(handle)
+            self._to_detach.append(handle)
+        self._wake_loop()
 
     def attach_failed(self, handle: SlotHolder) -> None:
         """The loop could not give ``handle`` its slot: the promise is taken back."""
@@ -215,10 +305,26 @@ class Admission:
             self._notify()
 
     # ------------------------------------------------------------------ inside (holding the lock)
-    def _join_queue(self, handle: SlotHolder, ticket: object, wait: float | None, turn: bool) -> float | None:
+    def _give_back(self, handle: SlotHolder) -> None:
+        """A handle's promise is given back with nothing to keep (closed, or a one-shot whose turn ended): the
+        loop detaches it (before it attaches anyone), or never attaches it when it has not yet."""
+        if not handle.reserved:
+            return
+        if handle in self._to_attach:
+            self._to_attach.remove(handle)
+        else:
+            self._to_detach.append(handle)
+        handle.revoked = False
+        self._free(handle)
+        self._wake_loop()
+
+    def _join_queue(self, handle: SlotHolder, ticket: _Ticket, wait: float | None, turn: bool) -> float | None:
         """``ticket`` joins the queue, first come first served: its deadline, or None when ``handle`` already
-        holds a slot (then busy from now: it is not parked)."""
+        holds a slot (then busy from now: it is not parked). A one-shot handle takes one turn only."""
+        if handle.one_shot and handle.turns_begun:
+            raise InputError("a one-shot stream takes one turn: open a new stream for the next")
         if handle.reserved:
+            handle.revoked = False             # a turn wants the promise again: the loop attaches it after all
             self._busy(handle, turn)
             return None
         if not self.accepting:
@@ -229,13 +335,29 @@ class Admission:
         self._waiting.append(ticket)
         return time.monotonic() + (self.queue_timeout if wait is None else wait)
 
-    def _admissible(self, ticket: object) -> bool:
-        """Whether ``ticket`` takes a slot now: first in line, and a slot free or freed by parking the
-        stream idle longest."""
-        return not self.stopping and self._waiting[0] is ticket and (self.promised < self.slots or self._park_idlest())
+    def _admissible(self, handle: SlotHolder, ticket: _Ticket) -> bool:
+        """Whether ``ticket`` takes a slot now: a free slot goes to the first in line; with none free, the
+        first in line that may park others (non-parking waiters ahead of it could not use that slot) takes
+        the slot of the stream idle longest, parking it. Raises for a handle that cannot resume any more
+        (closed, or its parked context evicted while it waited): no promise is made for it."""
+        if self.stopping:
+            return False
+        if handle.closed:
+            raise StreamClosedError("the stream is closed")
+        if handle.evicted:
+            raise ContextEvictedError("this stream's parked context was evicted while it waited for a slot "
+                                      "(the parked-context budget): its next turn starts on a fresh stream")
+        if self.promised < self.slots:
+            return self._waiting[0] is ticket
+        if not ticket.may_park:
+            return False
+        first = next(t for t in self._waiting if t.may_park)
+        return first is ticket and self._park_idlest()
 
     def _park_idlest(self) -> bool:
-        idle = [h for h in self._holding if h.idle_since is not None and not h.closed and h not in self._to_attach]
+        # attached only: a promise the loop has not attached yet is one a failed turn is giving back
+        idle = [h for h in self._holding if h.idle_since is not None and h.attached and not h.closed
+                and not h.one_shot and h not in self._to_attach]
         if not idle:
             return False
         handle = min(idle, key=lambda h: h.idle_since)

@@ -114,4 +114,12 @@ class StreamingDecoder:
         self.state.reset(index)
 
     def move(self, src: int, dst: int) -> None:
+        """Move stream ``src`` into slot ``dst`` (rings and position); slot ``src`` starts afresh."""
         self.state.move(src, dst)
+
+    def copy_stream(self, src: int, dst: int) -> None:
+        """The device half of a move (``RingState.copy_stream``): nothing recorded until :meth:`commit_copy`."""
+        self.state.copy_stream(src, dst)
+
+    def commit_copy(self, src: int, dst: int) -> None:
+        self.state.commit_copy(src, dst)

@@ -17,9 +17,9 @@ from dataclasses import dataclass
 from typing import Callable, Protocol
 
 from .admission import Admission
-from .errors import ContextEvictedError, StreamClosedError
+from .errors import ContextEvictedError, InputError, StreamClosedError
 from .sampling import SamplingParams
-from .stream import Frame, StreamState, TurnStats
+from .stream import Frame, StreamState, TurnInputs, TurnStats
 
 
 # ---------------------------------------------------------------------------------------------- events
@@ -79,18 +79,25 @@ class StreamHandle:
     """A stream in a scheduler (its ``admission``; ``wake`` wakes its device loop). Every method is thread-safe
     and returns without running a graph. Between turns the stream may be parked (its slot given to another
     stream, its rows kept on the host): its next turn gets them back, or, once they were evicted, refuses
-    with ContextEvictedError."""
+    with ContextEvictedError.
+
+    Fixed at open (``Scheduler.open_stream``): ``one_shot`` — one turn, whose end gives the slot back at once
+    without a copy (never parked; a second turn is refused); ``may_park_others`` False — its turns take only
+    a free slot, never one freed by parking another stream (see ``engine.admission``)."""
 
     def __init__(self, admission: Admission, wake: Callable[[], None], stream: StreamState, sink: EventSink,
-                 max_buffered_frames: int):
+                 max_buffered_frames: int, one_shot: bool = False, may_park_others: bool = True):
         self._admission = admission
         self._wake = wake
         self.stream = stream
         self.sink = sink
         self.max_buffered_frames = max_buffered_frames
+        self.one_shot = bool(one_shot)
+        self.may_park_others = bool(may_park_others)
         self.attached = False       # holds a runner slot (the loop attached it; until the loop detaches it)
         self.closed = False
         self.reserved = False       # admission promised it a slot (changed by the admission only)
+        self.revoked = False        # that promise was given back while the loop held it (admission, the loop)
         # idle and parked bookkeeping (engine.admission.SlotHolder: changed holding the admission's lock)
         self.turns_begun = 0
         self.turns_ended = 0
@@ -107,10 +114,13 @@ class StreamHandle:
                    wait: float | None = None) -> None:
         """Open a turn (``StreamingSession.begin_turn`` semantics). A stream without a slot (its first turn,
         or parked) waits up to ``wait`` seconds (default: the scheduler's queue timeout) for one, else
-        CapacityError; ContextEvictedError when its parked context was evicted."""
+        CapacityError; ContextEvictedError when its parked context was evicted (also while it waited). The
+        turn's inputs are checked before it asks for a slot: a turn refused for them (InputError,
+        ContextLimitError) takes none."""
         self._require_resumable()
-        self._open_turn(self._admission.reserve(self, wait), user_text, user_audio_codes, user_audio_wav,
-                        max_frames, params)
+        inputs = self.stream.check_turn(user_text, user_audio_codes, user_audio_wav, max_frames, params)
+        self._admission.reserve(self, wait)
+        self._open_turn(inputs)
 
     async def abegin_turn(self, user_text: str = "", user_audio_codes=None, user_audio_wav=None,
                           max_frames: int | None = None, params: SamplingParams | None = None,
@@ -118,20 +128,24 @@ class StreamHandle:
         """``begin_turn`` for asyncio callers: waiting for a slot awaits (it holds no thread), in the same
         first-come-first-served queue as the blocking callers; cancelling the wait leaves the queue."""
         self._require_resumable()
-        self._open_turn(await self._admission.areserve(self, wait), user_text, user_audio_codes, user_audio_wav,
-                        max_frames, params)
+        inputs = self.stream.check_turn(user_text, user_audio_codes, user_audio_wav, max_frames, params)
+        await self._admission.areserve(self, wait)
+        self._open_turn(inputs)
 
-    def _open_turn(self, newly: bool, user_text, user_audio_codes, user_audio_wav, max_frames, params) -> None:
+    def _open_turn(self, inputs: TurnInputs) -> None:
+        """Open the admitted turn; when that still fails (closed, or the stream changed since its inputs were
+        checked) admission takes back what it promised for it."""
         try:
-            self._require_resumable()      # evicted while it waited (eviction never takes a reserved one)
-            self.stream.begin_turn(user_text, user_audio_codes, user_audio_wav, max_frames, params)
+            self.stream.open_turn(inputs)
         except BaseException:
-            self._admission.turn_failed(self, newly)
+            self._admission.turn_failed(self)
             raise
         self._wake()
 
     def _require_resumable(self) -> None:
         self._require_open()
+        if self.one_shot and self.turns_begun:
+            raise InputError("a one-shot stream takes one turn: open a new stream for the next")
         if self.evicted:
             raise ContextEvictedError("this stream's parked context was evicted (the parked-context budget): "
                                       "its next turn starts on a fresh stream")

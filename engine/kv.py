@@ -61,15 +61,25 @@ class BackboneKVPool:
                 t.bind_output(binding, f"present_{kind}.{layer}", lo, hi - lo)
 
     def move(self, src: int, dst: int) -> None:
-        """Move the stream of slot ``src`` into slot ``dst`` (its filled rows only, on the device): one plain
-        copy per (layer, K/V, head) block, as a park's (an indexed scatter took 7x as long: 177 against 26 ms
-        for 1,000 rows at real dimensions)."""
-        n = int(self.lengths[src])
+        """Move the stream of slot ``src`` into slot ``dst``: :meth:`copy_slot`, then the lengths."""
+        self.copy_slot(src, dst)
+        self.lengths[dst] = self.lengths[src]
+        self.lengths[src] = 0
+
+    def copy_slot(self, src: int, dst: int, n: int | None = None) -> None:
+        """Copy the first ``n`` rows (default: the filled ones) of slot ``src`` over slot ``dst``, on the device,
+        and nothing else: the lengths stay as they are, so a caller moving a stream commits them only once
+        every copy of the move succeeded (a failure leaves ``src`` whole and the bookkeeping as it was: the
+        retry is exact). One plain copy per (layer, K/V, head) block, as a park's (an indexed scatter took 7x
+        as long: 177 against 26 ms for 1,000 rows at real dimensions)."""
+        n = int(self.lengths[src]) if n is None else n
         if n:
             self._copy_blocks(n, lambda t, h: (self.device, self._block_ptr(t, src, h)),
                               lambda t, h: (self.device, self._block_ptr(t, dst, h)))
-        self.lengths[dst] = self.lengths[src]
-        self.lengths[src] = 0
+
+    def host_bytes(self, n: int) -> int:
+        """Bytes of a host copy of ``n`` rows (:meth:`park_rows`), known before making it."""
+        return 2 * self.layers * self.kv_heads * n * self.head_dim * self.dtype.itemsize
 
     # A prefix is a device tensor [layers * 2, kv_heads, n, head_dim] of the pool's dtype: index 2 * layer + j
     # holds what the layer's K (j = 0) or V (j = 1) slot holds in its first n rows.
@@ -114,15 +124,16 @@ class BackboneKVPool:
                               lambda t, h: ("cpu", flat[t, h].ctypes.data))
         return host
 
-    def write_rows(self, slot: int, rows: np.ndarray) -> None:
+    def write_rows(self, slot: int, rows: np.ndarray, set_length: bool = True) -> None:
         """Start slot ``slot`` with host rows [layers, 2, kv_heads, n, head_dim] (a parked stream's, from
-        :meth:`park_rows`): host to device."""
+        :meth:`park_rows`): host to device; then its length (``set_length`` False: the caller commits it)."""
         n = rows.shape[3]
         if n:
             flat = np.ascontiguousarray(rows, self.dtype).reshape(-1, self.kv_heads, n, self.head_dim)
             self._copy_blocks(n, lambda t, h: ("cpu", flat[t, h].ctypes.data),
                               lambda t, h: (self.device, self._block_ptr(t, slot, h)))
-        self.lengths[slot] = n
+        if set_length:
+            self.lengths[slot] = n
 
     def _block_ptr(self, tensor: int, slot: int, head: int) -> int:
         """Address of row 0 of one (layer, K/V) tensor's block of ``slot`` and ``head``: its rows are contiguous."""
@@ -275,11 +286,23 @@ class RingState:
         self.frame_pos[index_] = 0
 
     def move(self, src: int, dst: int) -> None:
-        """Move stream ``src``'s state into slot ``dst`` (its rings on the device)."""
+        """Move stream ``src``'s state into slot ``dst`` (its rings on the device); slot ``src`` starts afresh."""
         self._writer.move(self, src, dst)
         self._writer.set_positions(self, np.array([dst, src]), np.array([self.frame_pos[src], 0]))
         self.frame_pos[dst] = self.frame_pos[src]
         self.frame_pos[src] = 0
+
+    def copy_stream(self, src: int, dst: int) -> None:
+        """The device half of a move: stream ``src``'s rings and position copied over slot ``dst``, slot ``src``
+        left as it is and the host mirror unchanged (a failure leaves ``src`` whole; the retry is exact).
+        :meth:`commit_copy` then records it."""
+        self._writer.move(self, src, dst)
+        self._writer.set_positions(self, np.array([dst]), np.array([self.frame_pos[src]]))
+
+    def commit_copy(self, src: int, dst: int) -> None:
+        """The host half of :meth:`copy_stream` (cannot fail): slot ``dst``'s mirrored position. Slot ``src``
+        keeps its own, as on the device (it is left to a stream that resets it before its next audio)."""
+        self.frame_pos[dst] = self.frame_pos[src]
 
 
 MAX_CACHED_SHAPES = 64     # call shapes whose bindings are kept (the runner uses a handful)

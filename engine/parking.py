@@ -8,11 +8,15 @@ admission and the rows are copied back, so it goes on exactly as if it had kept 
 
 The parked rows are bounded by ``budget_bytes``: past it the stream parked first (the one idle longest)
 is **evicted**, its rows dropped; its next turn refuses with :class:`~engine.errors.ContextEvictedError`
-(the service then starts it on a fresh context). Every method is called holding the scheduler's lock.
+(the service then starts it on a fresh context). A park whose rows would not be kept even once every
+evictable context is gone (a budget of 0, a context larger than the budget) is refused before any copy
+(:meth:`ParkedContexts.fits`, :meth:`ParkedContexts.refuse`): the stream is evicted at once. Every method
+is called holding the scheduler's lock.
 """
 
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable, Generic, Hashable, TypeVar
@@ -20,6 +24,8 @@ from typing import Callable, Generic, Hashable, TypeVar
 import numpy as np
 
 H = TypeVar("H", bound=Hashable)
+
+log = logging.getLogger("mossrt.parking")
 
 
 @dataclass(frozen=True)
@@ -43,10 +49,29 @@ class ParkedContexts(Generic[H]):
         self.bytes = 0
         self.parks = self.resumes = self.evictions = 0
 
+    def fits(self, nbytes: int, evictable: Callable[[H], bool]) -> bool:
+        """Whether rows of ``nbytes`` would be kept by :meth:`put`: within the budget once every context
+        ``evictable`` lets go is evicted (asked before the copy, so that a park whose rows would be dropped
+        at once copies nothing)."""
+        held = sum(rows.nbytes for owner, rows in self._rows.items() if not evictable(owner))
+        return nbytes <= self.budget_bytes - held
+
+    def refuse(self) -> None:
+        """A park whose rows :meth:`fits` says would not be kept: counted as a park and an eviction (its
+        slot was given away and its context dropped), without a copy."""
+        self.parks += 1
+        self.evictions += 1
+
     def put(self, owner: H, rows: np.ndarray, evictable: Callable[[H], bool]) -> list[H]:
         """Keep ``owner``'s rows; returns the owners evicted to stay within the budget (oldest first, only
         those ``evictable`` says may go: not one that is taking its slot back; ``owner`` itself when its
         rows alone exceed the budget)."""
+        old = self._rows.pop(owner, None)
+        if old is not None:
+            # a stream is parked at most once between attaches (its resume takes its rows): a bug if seen;
+            # the newer rows are its context, and the bytes stay exact
+            log.error("a stream was parked while its earlier rows were still parked: replaced")
+            self.bytes -= old.nbytes
         self._rows[owner] = rows
         self.bytes += rows.nbytes
         self.parks += 1

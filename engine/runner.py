@@ -140,6 +140,7 @@ class StepRunner:
         self.prefill_buffers = PrefillBuffers(model, slots, prefill_chunk_rows, self.buffer_stats)
         self.capture = capture                      # run the buckets' calls as captured CUDA graphs
         self.warmed = False                         # warm_up ran: codec calls take bucketed stream counts
+        self._lost: list[StreamState] = []          # idle contexts a failed trade could not restore (take_lost)
 
     # ------------------------------------------------------------------ slots
     @property
@@ -173,28 +174,48 @@ class StepRunner:
         return slot
 
     def detach(self, stream: StreamState) -> None:
-        """Free the stream's slot; the last slot's stream moves into it so active slots stay a prefix. A
-        failing move leaves every stream where it was (the stream stays attached: retry later)."""
+        """Free the stream's slot; the last slot's stream moves into it so active slots stay a prefix. All or
+        nothing: the move's device copies (its KV rows, then its codec rings and position) run first, and the
+        host bookkeeping (lengths, frame position, entries) is committed only once both succeeded, so a
+        failing copy leaves every stream where it was and whole (the stream stays attached: retry later,
+        and the retry moves the same rows)."""
         entry = self._entry(stream)
         if entry.request is not None:
             stream.release(entry.request)
+            entry.request = None
         last = self._entries[-1]
         if last is not entry:
-            self.kv.move(last.slot, entry.slot)
-            self.decoder.move(last.slot, entry.slot)
+            self.kv.copy_slot(last.slot, entry.slot)
+            self.decoder.copy_stream(last.slot, entry.slot)
+            self.kv.lengths[entry.slot] = self.kv.lengths[last.slot]        # committed: nothing below fails
+            self.decoder.commit_copy(last.slot, entry.slot)
             last.slot = entry.slot
             self._entries[entry.slot] = last
         self._entries.pop()
         self.kv.lengths[len(self._entries)] = 0
 
+    def park_row_count(self, stream: StreamState) -> int:
+        """Rows a park of the stream copies: its context's, not its slot's capacity (so its bytes,
+        ``kv.host_bytes``, are known before the copy)."""
+        return min(int(self.kv.lengths[self._entry(stream).slot]), stream.fed_rows)
+
+    def park_rows(self, stream: StreamState) -> np.ndarray:
+        """A host copy of the rows the stream's context uses, [layers, 2, kv_heads, rows, head_dim]; changes
+        nothing (its slot is freed by :meth:`detach`). Between turns only: its codec stream starts afresh at
+        its next turn anyway, and its sampling state is the stream's own."""
+        return self.kv.park_rows(self._entry(stream).slot, self.park_row_count(stream))
+
     def park(self, stream: StreamState) -> np.ndarray:
-        """A host copy of the rows the stream's context uses, [layers, 2, kv_heads, rows, head_dim] (not its
-        slot's capacity), then its slot freed (:meth:`detach`). Between turns only: its codec stream starts
-        afresh at its next turn anyway, and its sampling state is the stream's own."""
-        entry = self._entry(stream)
-        rows = self.kv.park_rows(entry.slot, min(int(self.kv.lengths[entry.slot]), stream.fed_rows))
+        """:meth:`park_rows`, then the stream's slot freed (:meth:`detach`)."""
+        rows = self.park_rows(stream)
         self.detach(stream)
         return rows
+
+    def take_lost(self) -> list[StreamState]:
+        """Idle streams whose context a failed slot trade could not restore since the last call (their rows
+        are gone: their next turn must start on a fresh stream)."""
+        lost, self._lost = self._lost, []
+        return lost
 
     def context_kv(self, stream: StreamState) -> np.ndarray:
         """A copy of the stream's KV rows [layers, 2, kv_heads, rows, head_dim] (tests, diagnostics)."""
@@ -283,7 +304,9 @@ class StepRunner:
         riding below them: as its turn starts, or mid-turn when the stream below it has just finished its own.
         At a tick's start, when no hidden row is kept for a later call. The idle stream's rows go through the
         host (its codec ring does not matter: its next turn's audio starts afresh), the generating one's rows
-        move on the device, and mid-turn its codec ring and frame position move with them."""
+        move on the device, and mid-turn its codec ring and frame position move with them. A trade that fails
+        leaves both streams consistent (:meth:`_trade`) and ends this tick's trades: the tick runs them where
+        they are (a trade only saves rider rows)."""
         idle = [e for e in self._entries if self._riding_idle(e)]
         for e in sorted(self._entries, key=lambda e: -e.slot):
             req = e.request
@@ -293,15 +316,60 @@ class StepRunner:
             if low.slot >= e.slot:
                 break
             idle.pop(0)
-            starting = req.first_frame and not e.fed and not e.pending
-            rows = self.kv.park_rows(low.slot, int(self.kv.lengths[low.slot]))
-            self.kv.move(e.slot, low.slot)
-            if not starting:
-                self.decoder.move(e.slot, low.slot)
-            self.kv.write_rows(e.slot, rows)
-            low.slot, e.slot = e.slot, low.slot
-            self._entries[low.slot], self._entries[e.slot] = low, e
+            try:
+                self._trade(e, low, starting=req.first_frame and not e.fed and not e.pending)
+            except Exception as exc:  # noqa: BLE001 - an optimisation's device copy, never the tick
+                log.error("a slot trade failed (slots %d and %d): %s", low.slot, e.slot, exc)
+                return
             self.timing.slot_trades += 1
+
+    def _trade(self, e: _Entry, low: _Entry, starting: bool) -> None:
+        """Generating ``e`` into idle ``low``'s slot and ``low`` into ``e``'s, all or nothing. The device copies
+        come first, in an order a failure can undo: ``e``'s codec ring over ``low``'s (which does not matter:
+        ``low``'s next turn starts its audio afresh), ``low``'s rows to the host (changes nothing), ``e``'s rows
+        over ``low``'s, ``low``'s rows into ``e``'s slot; the host bookkeeping (lengths, frame position,
+        entries) is committed only after the copies that it records. A failure once ``low``'s slot was
+        overwritten writes its rows back from the host copy; one in the last copy finishes the trade for
+        ``e`` (its rows are whole in ``low``'s slot) and writes ``low``'s rows again. A context that cannot be
+        written back is dropped (:meth:`take_lost`), never left wrong. Raises the failure."""
+        lo, hi = low.slot, e.slot
+        n_low, n_e = int(self.kv.lengths[lo]), int(self.kv.lengths[hi])
+        if not starting:
+            self.decoder.copy_stream(hi, lo)
+            self.decoder.commit_copy(hi, lo)           # the mirror follows the device: slot lo's ring is e's now
+        rows = self.kv.park_rows(lo, n_low)
+        try:
+            self.kv.copy_slot(hi, lo, n_e)             # e's rows in both slots now
+        except Exception:
+            self._write_back(low, lo, rows)
+            raise
+        try:
+            self.kv.write_rows(hi, rows, set_length=False)
+        except Exception:
+            self._commit_trade(e, low, n_e)
+            self._write_back(low, low.slot, rows)
+            raise
+        self._commit_trade(e, low, n_e)
+        self.kv.lengths[low.slot] = n_low
+
+    def _commit_trade(self, e: _Entry, low: _Entry, n_e: int) -> None:
+        """The host half of a trade whose copies of ``e`` succeeded: ``e`` in ``low``'s old slot, ``low`` in ``e``'s
+        (its length is set by whoever wrote its rows there)."""
+        lo, hi = low.slot, e.slot
+        self.kv.lengths[lo] = n_e
+        self.kv.lengths[hi] = 0
+        low.slot, e.slot = hi, lo
+        self._entries[low.slot], self._entries[e.slot] = low, e
+
+    def _write_back(self, e: _Entry, slot: int, rows: np.ndarray) -> None:
+        """An idle stream's rows back into ``slot`` (its slot now) from the host copy, after a failed trade; if
+        that fails too its context is dropped (length 0, :meth:`take_lost`) rather than left wrong."""
+        try:
+            self.kv.write_rows(slot, rows)
+        except Exception as exc:  # noqa: BLE001 - reported as a lost context
+            log.error("an idle stream's rows could not be written back after a failed slot trade: %s", exc)
+            self.kv.lengths[slot] = 0
+            self._lost.append(e.stream)
 
     @staticmethod
     def _riding_idle(e: _Entry) -> bool:

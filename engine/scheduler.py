@@ -117,8 +117,15 @@ class Scheduler:
 
     def open_stream(self, voice_codes=None, params: SamplingParams | None = None, seed: int | None = None,
                     decode_audio: bool = True, allow_special_tokens: bool = False,
-                    sink: EventSink | None = None, limits: Limits | None = None) -> StreamHandle:
-        """A new stream (no slot yet: it takes one at its first turn). Validates its settings now."""
+                    sink: EventSink | None = None, limits: Limits | None = None, *, one_shot: bool = False,
+                    may_park_others: bool = True) -> StreamHandle:
+        """A new stream (no slot yet: it takes one at its first turn). Validates its settings now.
+
+        ``one_shot``: the stream takes one turn (an utterance): when it ends its slot is freed at once, without
+        a copy of its context (nobody resumes it), so it is never parked; its events already delivered still
+        reach the consumer, and a second ``begin_turn`` raises InputError. ``may_park_others`` False: its turns
+        take only a free slot and never park an idle stream to make room (so it causes no park and no
+        eviction); it waits in the same queue (see ``engine.admission``)."""
         if not self.admission.accepting:
             raise OverloadError("the server is draining: no new streams")
         limits = limits or self.limits
@@ -127,7 +134,8 @@ class Scheduler:
                              f"{self.limits.max_context_rows}")
         stream = StreamState(self.model, voice_codes=voice_codes, params=params, seed=seed, limits=limits,
                              decode_audio=decode_audio, allow_special_tokens=allow_special_tokens)
-        return StreamHandle(self.admission, self.wake, stream, sink or QueueSink(), self.max_buffered_frames)
+        return StreamHandle(self.admission, self.wake, stream, sink or QueueSink(), self.max_buffered_frames,
+                            one_shot=one_shot, may_park_others=may_park_others)
 
     def warm_prefix(self, voice_codes=None, timeout: float = 600) -> DeviceTensor | None:
         """Compute (or find) the KV of a text-only first turn's opening for ``voice_codes`` (its system block
@@ -257,9 +265,10 @@ class Scheduler:
         self._shutdown()
 
     def _detach(self, h: StreamHandle) -> None:
-        """Free a closed handle's slot. When that fails (a device copy), the slot stays taken by the closed
-        stream and the detach is retried at the next wake; after MAX_DETACH_ATTEMPTS the slot is given up
-        and the engine is broken."""
+        """Free the slot of a handle that keeps nothing in it (closed, a one-shot whose turn ended, a parked
+        one whose rows were copied out). When that fails (a device copy), the slot stays taken and the
+        detach is retried at the next wake; after MAX_DETACH_ATTEMPTS the slot is given up and the engine is
+        broken."""
         if not h.attached:
             return                                      # its attach failed: it never held a runner slot
         try:
@@ -280,31 +289,43 @@ class Scheduler:
             self.admission.detached_after_failures()
 
     def _park(self, h: StreamHandle) -> None:
-        """Copy an idle handle's used KV rows to the host and free its slot (admission gave it away). When
-        the copy fails its context is lost (evicted: its next turn starts afresh); a failing detach is
-        retried as a closed handle's is."""
+        """Copy an idle handle's used KV rows to the host and free its slot (admission gave it away). Whether
+        the copy is worth making is decided first, from the rows' size (``Admission.will_keep``): a handle
+        closed since it was chosen, or whose rows the budget would not keep, only has its slot freed. When
+        the copy fails its context is lost (evicted: its next turn starts afresh); the slot is freed as a
+        closed handle's is (a failing detach retried), and rows copied out stay parked meanwhile."""
         if not h.attached:
             return
-        try:
-            rows = self.runner.park(h.stream)
-        except Exception as exc:  # noqa: BLE001 - one stream's context, never the loop
-            log.error("parking a stream failed: %s", exc)
-            with self._cond:
-                h.evicted = True
-                self.admission.detach_failed(h, first=True, retry=True)   # its slot is taken until freed
-            self._detach_failures[id(h)] = 1
-            return
+        nbytes = self.runner.kv.host_bytes(self.runner.park_row_count(h.stream))
         with self._cond:
-            self._handles.remove(h)
-            h.attached = False
-            self.admission.keep_parked(h, rows)
+            copy = self.admission.will_keep(h, nbytes)
+        if copy:
+            try:
+                rows = self.runner.park_rows(h.stream)
+            except Exception as exc:  # noqa: BLE001 - one stream's context, never the loop
+                log.error("parking a stream failed: %s", exc)
+                with self._cond:
+                    h.evicted = True
+            else:
+                with self._cond:
+                    self.admission.keep_parked(h, rows)
+        self._detach(h)
 
     def _attach(self, h: StreamHandle) -> None:
         """Give a handle its runner slot (with its parked rows, when it resumes); when that fails only its
-        stream fails (its slot is free again)."""
+        stream fails (its slot is free again). A handle whose promise was given back since the loop took it
+        (``Admission.attaching``: a turn that failed after admission, a close) is not attached; one given
+        back while the attach ran is parked or detached again (``Admission.attached``)."""
         with self._cond:
-            rows = self.admission.parked.take(h)
+            if not self.admission.attaching(h):
+                return
+            if h.attached:                  # its detach (a park's) is still failing: its rows stay parked
+                rows, refused = None, True
+            else:
+                rows, refused = self.admission.parked.take(h), False
         try:
+            if refused:
+                raise EngineError("its slot from before is not freed yet (a failing device copy)")
             self.runner.attach(h.stream, rows)
         except Exception as exc:  # noqa: BLE001 - one stream, never the loop
             log.error("starting a stream failed: %s", exc)
@@ -312,12 +333,12 @@ class Scheduler:
             self.admission.attach_failed(h)
             self._fail(h, EngineError(f"the stream could not start: {exc}"))
             return
-        h.stream.parked = False
         with self._cond:
             self._handles.append(h)
             h.attached = True
             if rows is not None:
                 self._resume_seconds.append(time.monotonic() - h.admitted_at)
+            self.admission.attached(h, resumed=rows is not None)
 
     def _fail(self, h: StreamHandle, error: Exception) -> None:
         """The one way a stream fails: its turn ends with ERROR, and its consumer gets the error, then the
@@ -351,6 +372,13 @@ class Scheduler:
                 self._fail(h, EngineError(f"internal error: {exc}"))
             result = None
         by_stream = {id(h.stream): h for h in handles}
+        lost = self.runner.take_lost()
+        if lost:
+            with self._cond:
+                for stream in lost:             # a failed slot trade could not restore an idle context
+                    h = by_stream.get(id(stream))
+                    if h is not None:
+                        h.evicted = True
         if result is not None:
             for stream, exc in result.failed:
                 h = by_stream.get(id(stream))

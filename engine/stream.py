@@ -103,6 +103,19 @@ class StepRequest:
     start_row: int = 0        # the stream's context rows when it was asked for: where the rows go in the KV
 
 
+@dataclass(frozen=True)
+class TurnInputs:
+    """A turn's inputs as :meth:`StreamState.check_turn` checked them (user audio already encoded), with its
+    prompt rows as laid out for the stream then (``first``: as its first turn)."""
+
+    user_text: str
+    user_audio: np.ndarray | None
+    max_frames: int | None
+    params: SamplingParams
+    first: bool
+    rows: np.ndarray
+
+
 def _locked(method):
     @functools.wraps(method)
     def wrapper(self, *args, **kwargs):
@@ -217,8 +230,18 @@ class StreamState:
     def begin_turn(self, user_text: str = "", user_audio_codes: np.ndarray | None = None,
                    user_audio_wav: tuple[np.ndarray, int] | None = None, max_frames: int | None = None,
                    params: SamplingParams | None = None) -> None:
-        """Open a turn (see ``StreamingSession.begin_turn``). A turn that cannot open raises and leaves the
-        stream as it was."""
+        """Open a turn (see ``StreamingSession.begin_turn``): :meth:`check_turn`, then :meth:`open_turn`. A turn
+        that cannot open raises and leaves the stream as it was."""
+        self.open_turn(self.check_turn(user_text, user_audio_codes, user_audio_wav, max_frames, params))
+
+    def check_turn(self, user_text: str = "", user_audio_codes: np.ndarray | None = None,
+                   user_audio_wav: tuple[np.ndarray, int] | None = None, max_frames: int | None = None,
+                   params: SamplingParams | None = None) -> TurnInputs:
+        """A turn's inputs checked as far as they can be before it opens — the user text, the frame limit, the
+        sampling settings, the user audio (encoded here: not under the lock), the stream open, no turn in
+        progress, and its prompt rows within the context as the stream stands — changing nothing: a
+        scheduled stream checks a turn before it asks for a slot, so a turn refused for its inputs never
+        takes one. Raises what :meth:`begin_turn` would."""
         if not isinstance(user_text, str):
             raise InputError("user_text must be a string")
         if user_text:
@@ -230,18 +253,36 @@ class StreamState:
         user_audio = resolve_voice(self.model, self.limits, wav=user_audio_wav, codes=user_audio_codes,
                                    what="user audio", user_audio=True)   # may encode audio: not under the lock
         with self._lock:
-            self._open_turn(user_text, user_audio, max_frames, turn_params)
+            first = self.fed_rows == 0
+            rows = self._turn_rows(first, user_text, user_audio)
+        return TurnInputs(user_text, user_audio, max_frames, turn_params, first, rows)
 
-    def _open_turn(self, user_text: str, user_audio, max_frames: int | None, turn_params: SamplingParams) -> None:
+    def open_turn(self, inputs: TurnInputs) -> None:
+        """Open a turn of checked inputs (:meth:`check_turn`); the checks that depend on the stream's state run
+        again (it may have changed since). Raises and leaves the stream as it was when the turn cannot open."""
+        with self._lock:
+            first = self.fed_rows == 0
+            rows = self._turn_rows(first, inputs.user_text, inputs.user_audio,
+                                   inputs.rows if first == inputs.first else None)
+            self._open_turn(inputs, rows)
+
+    def _turn_rows(self, first: bool, user_text: str, user_audio, rows: np.ndarray | None = None) -> np.ndarray:
+        """A turn's prompt rows (``rows``: already laid out), checked against the stream's state and context."""
         self._require_open()
         if self.state in (TurnState.WAITING, TurnState.RUNNING):
             raise InputError("a turn is in progress: end it (end_text and let it finish) or cancel it first")
-        rows = self.model.prompt.turn_prompt(self.fed_rows == 0, self.voice_codes, user_text, user_audio,
-                                             allow_special=self.allow_special_tokens)
+        if rows is None:
+            rows = self.model.prompt.turn_prompt(first, self.voice_codes, user_text, user_audio,
+                                                 allow_special=self.allow_special_tokens)
         lead = self.model.layout.text_lead
         if self.fed_rows + len(rows) + lead > self.limits.max_context_rows:
             raise ContextLimitError(f"context limit: the turn's {len(rows)} prompt rows do not fit "
                                     f"({self.fed_rows} of {self.limits.max_context_rows} rows used)")
+        return rows
+
+    def _open_turn(self, inputs: TurnInputs, rows: np.ndarray) -> None:
+        user_text, user_audio, max_frames, turn_params = (inputs.user_text, inputs.user_audio, inputs.max_frames,
+                                                          inputs.params)
         self._serial += 1
         # a text-only first turn opens with the system block + assistant header, both the same for every
         # stream with this voice: both are cacheable. With user context only the system block is.

@@ -216,14 +216,14 @@ def test_a_failing_slot_move_fails_no_stream_and_the_loop_keeps_serving(model):
     sch = Scheduler(model, slots=3)
     try:
         kv = sch.runner.kv
-        kv.move = failing_once(kv.move, MemoryError("injected device out-of-memory"))
+        kv.copy_slot = failing_once(kv.copy_slot, MemoryError("injected device out-of-memory"))
         a, b, c = (start(sch, model, seed=i) for i in range(3))
         wait_until(lambda: a.attached and b.attached and c.attached, 60, "three attached streams")
         a.close()
         for h in (b, c):
             frames, errors, stats = turn_end(h)
             assert not errors and stats.finish_reason.value in ("eos", "max_frames"), (errors, stats)
-        assert len(kv.move.calls) >= 2                     # failed, then retried
+        assert len(kv.copy_slot.calls) >= 2                # failed, then retried
         b.close()
         c.close()
         wait_until(lambda: sch.stats().active == 0 and sch.runner.attached == 0, 30, "every slot free")
@@ -239,7 +239,7 @@ def test_the_slot_copy_runs_outside_the_scheduler_lock(model):
 
     sch = Scheduler(model, slots=2)
     entered, release = threading.Event(), threading.Event()
-    real_move = sch.runner.kv.move
+    real_move = sch.runner.kv.copy_slot
 
     def slow_move(*args):
         entered.set()
@@ -247,7 +247,7 @@ def test_the_slot_copy_runs_outside_the_scheduler_lock(model):
         return real_move(*args)
 
     try:
-        sch.runner.kv.move = slow_move
+        sch.runner.kv.copy_slot = slow_move
         a, b = start(sch, model, seed=1), start(sch, model, seed=2)
         wait_until(lambda: a.attached and b.attached, 60, "two attached streams")
         a.close()                                          # slot 1 moves into slot 0
@@ -291,7 +291,7 @@ def break_with_a_stuck_slot(sch, model):
 
     a, b = start(sch, model, seed=1), start(sch, model, seed=2, max_frames=48)
     wait_until(lambda: a.attached and b.attached, 60, "two attached streams")
-    sch.runner.kv.move = broken_move
+    sch.runner.kv.copy_slot = broken_move
     a.close()
     frames, errors, _ = turn_end(b)
     assert frames and not errors

@@ -27,9 +27,13 @@ from .policy import SessionPolicy
 
 
 class Conversation:
-    def __init__(self, service, policy: SessionPolicy, voice_codes: np.ndarray | None, seed: int | None):
+    def __init__(self, service, policy: SessionPolicy, voice_codes: np.ndarray | None, seed: int | None,
+                 may_park_others: bool = True):
+        """``may_park_others`` False: the stream's turns take only a free slot, never park another stream's
+        context to make room (``Scheduler.open_stream``)."""
         self.service, self.policy = service, policy
         self.voice_codes, self.seed = voice_codes, seed
+        self.may_park_others = may_park_others
         self.handle: StreamHandle | None = None
         self.turns = 0
         self.turn_open = False                 # from begin_turn until the turn's end arrived
@@ -39,7 +43,8 @@ class Conversation:
     # ------------------------------------------------------------------ the stream
     def _stream(self, params: SamplingParams) -> StreamHandle:
         if self.handle is None:
-            self.handle = self.service.open_stream(self.voice_codes, params, self.seed, AsyncSink())
+            self.handle = self.service.open_stream(self.voice_codes, params, self.seed, AsyncSink(),
+                                                   may_park_others=self.may_park_others)
         return self.handle
 
     @property

@@ -35,12 +35,12 @@ class Utterance:
         aligner = Aligner(clock)
         return SentAligner(aligner, self.normalized) if self.normalized.changed else aligner
 
-    async def start(self, service, sink: EventSink, arrived: float | None = None) -> StreamHandle:
+    async def start(self, service, sink: EventSink, arrived: float | None = None, **kwargs) -> StreamHandle:
         """Its stream on the event loop: waiting for a slot awaits; the queue timeout counts from ``arrived``
         (the request's arrival), so it is the time to the 429. Fed as text: frames say which characters they
-        read."""
+        read. ``kwargs`` go to ``astart_utterance`` (``may_park_others``)."""
         return await service.astart_utterance(self.ids, self.voice, self.params, self.seed, sink, self.max_frames,
-                                              self.allow_special_tokens, arrived=arrived, text=self.text)
+                                              self.allow_special_tokens, arrived=arrived, text=self.text, **kwargs)
 
     def start_blocking(self, service, sink: EventSink, wait: float | None = None) -> StreamHandle:
         """Its stream from a thread (gRPC), waiting at most ``wait`` s for a slot."""
