@@ -2,7 +2,8 @@
 status), raised as :class:`ApiError` with its code and message, and rendered by each protocol in its own shape:
 
 - OpenAI routes: ``{"error": {"message", "type", "param", "code"}}`` (:meth:`ApiError.response`);
-- ElevenLabs HTTP: ``{"detail": {"status": code, "message"}}`` (:meth:`ApiError.elevenlabs_response`);
+- ElevenLabs HTTP: ``{"detail": {"status": code, "message"}}`` (:meth:`ApiError.elevenlabs_response`), on
+  ElevenLabs' routes and on a shared route (``/v1/models``) called by an ElevenLabs client (:func:`shaped`);
 - our WebSocket: ``{"type": "error", "error": {"type", "code", "message"}, "fatal"}``, fatal ones closed with
   a 4xxx code (:func:`close_code`);
 - ElevenLabs WebSockets: ``{"error": code, "message", "contextId"?}``, fatal ones closed with 1008/1011;
@@ -292,27 +293,52 @@ def _union_tag(part) -> bool:
 
 
 HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 408: "request_timeout", 413: "request_too_large"}
+# the error shape of an HTTP request, one per protocol: ElevenLabs' routes always answer in ElevenLabs' shape;
+# a route both protocols' clients call (the model list) answers in the shape of the client that calls it
+ELEVENLABS_PREFIXES = ("/v1/text-to-speech/", "/v1/voices", "/v2/voices", "/v1/user")
+SHARED_PATHS = ("/v1/models",)
+
+
+def elevenlabs_client(headers) -> bool:
+    """Whether a request comes from an ElevenLabs client: it sends ElevenLabs' key header ``xi-api-key`` (its
+    SDK with a key, Open WebUI's ElevenLabs engine) or is the SDK (``X-Fern-SDK-Name: elevenlabs``, with or
+    without a key). OpenAI clients send ``Authorization`` or nothing."""
+    return "xi-api-key" in headers or headers.get("x-fern-sdk-name", "").lower() == "elevenlabs"
+
+
+def elevenlabs_shaped(path: str, headers, prefixes: tuple[str, ...] = ELEVENLABS_PREFIXES) -> bool:
+    """Whether an error answering ``path`` is in ElevenLabs' shape (else OpenAI's): one of ElevenLabs' routes,
+    or a shared route (:data:`SHARED_PATHS`) called by an ElevenLabs client (:func:`elevenlabs_client`)."""
+    return path.startswith(prefixes) or (path in SHARED_PATHS and elevenlabs_client(headers))
+
+
+def shaped(err: ApiError, request: Request) -> JSONResponse:
+    """``err`` in the shape of the request's protocol (:func:`elevenlabs_shaped`)."""
+    if elevenlabs_shaped(request.url.path, request.headers):
+        return err.elevenlabs_response()
+    return err.response()
 
 
 def install(app: FastAPI) -> None:
-    """Exception handlers that answer every error in OpenAI's shape (never FastAPI's 422 ``detail``)."""
+    """Exception handlers that answer every error in its protocol's shape (:func:`shaped`: OpenAI's, or
+    ElevenLabs' on its routes; never FastAPI's 422 ``detail``)."""
 
     @app.exception_handler(ApiError)
     async def _api(request: Request, exc: ApiError):
-        return exc.response()
+        return shaped(exc, request)
 
     @app.exception_handler(EngineError)
     async def _engine(request: Request, exc: EngineError):
-        return from_engine(exc).response()
+        return shaped(from_engine(exc), request)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError):
-        return _validation_error(exc).response()
+        return shaped(_validation_error(exc), request)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException):
         if exc.status_code == 400 and (exc.__cause__ or exc.__context__) is not None:
-            return _unparsable_body(request, exc).response()        # the body parser failed
+            return shaped(_unparsable_body(request, exc), request)   # the body parser failed
         headers = dict(exc.headers or {})
         if exc.status_code == 405:     # every method any route serves at this path (Starlette names one route's)
             allowed = set()
@@ -326,8 +352,8 @@ def install(app: FastAPI) -> None:
         if code is None:                # a status the catalogue has no row for: said as Starlette says it
             return JSONResponse({"error": {"message": str(exc.detail), "type": BAD, "param": None, "code": None}},
                                 status_code=exc.status_code, headers=headers)
-        return ApiError(code, str(exc.detail), headers=headers).response()
+        return shaped(ApiError(code, str(exc.detail), headers=headers), request)
 
     @app.exception_handler(Exception)
     async def _any(request: Request, exc: Exception):
-        return from_engine(exc).response()
+        return shaped(from_engine(exc), request)

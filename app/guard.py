@@ -19,7 +19,7 @@ import time
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 
-from .errors import ApiError
+from .errors import ApiError, elevenlabs_shaped
 from .metrics import Metrics
 from .session.policy import SessionPolicy
 from .settings import ServerSettings
@@ -91,7 +91,8 @@ class RequestGuard:
         refusal = self._refusal(scope, headers)
         try:
             if refusal is not None:
-                shape = (refusal.elevenlabs_response if scope["path"].startswith(self.elevenlabs_prefixes)
+                shape = (refusal.elevenlabs_response if elevenlabs_shaped(scope["path"], headers,
+                                                                          self.elevenlabs_prefixes)
                          else refusal.response)
                 await shape()(scope, receive, send_with_id)
             else:

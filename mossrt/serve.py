@@ -149,6 +149,18 @@ def draining_server(config, service):
                 if state.tasks:
                     await asyncio.wait(list(state.tasks), timeout=EXIT_MARGIN_S / 2)
 
+        async def shutdown(self, sockets=None) -> None:
+            """Before uvicorn's own shutdown closes every WebSocket with 1012 and no reason, each session still
+            open gets the catalogue's ``draining`` error in its protocol's shape and its close code (ours
+            4503, ElevenLabs' 1008), as docs/errors.md says (bounded: ``CLOSE_BOUND_S`` a socket)."""
+            if not self.force_exit:
+                from app.session.wire import close_sessions
+
+                closed = await close_sessions(config.app)
+                if closed:
+                    log.info("shutdown: %d WebSocket sessions closed (draining)", closed)
+            await super().shutdown(sockets)
+
         def _drain(self) -> None:
             logging.getLogger("mossrt.app").info("shutting down: not ready; turns may finish within %g s; listener "
                                                  "open at least %g s", service.settings.drain_timeout,

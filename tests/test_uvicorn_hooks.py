@@ -42,6 +42,7 @@ CLASSES = {"Server": Server, "HttpToolsProtocol": HttpToolsProtocol, "RequestRes
 # "attribute" set on every instance by the constructor
 HOOKS = [
     ("Server", "handle_exit", "method", "serve.py: the first signal starts the drain"),
+    ("Server", "shutdown", "coroutine", "serve.py: open WebSockets closed with 'draining' before uvicorn's 1012"),
     ("Server", "_wait_tasks_to_complete", "coroutine", "serve.py: the wait bounded by the shutdown window"),
     ("Server", "_captured_signals", "attribute", "serve.py: the signal re-raised after the drain"),
     ("Server", "server_state", "attribute", "serve.py: connections and tasks cut at the window's end"),
@@ -84,6 +85,8 @@ HOOKS = [
 # (class, method, what its source must contain, why): uvicorn's behaviour an override or a copy relies on
 CALLS = [
     ("Server", "shutdown", "self._wait_tasks_to_complete()", "the overridden wait is what the shutdown awaits"),
+    ("Server", "shutdown", "connection.shutdown()", "what serve.py's shutdown runs before: each connection's own "
+                                                     "close (1012 for a WebSocket)"),
     ("Server", "handle_exit", "self._captured_signals.append", "serve.py's handle_exit records the signal as "
                                                                  "uvicorn's does"),
     ("Server", "capture_signals", "self._captured_signals", "the recorded signal is raised again at the end"),

@@ -23,14 +23,16 @@ from starlette.exceptions import HTTPException
 from engine.errors import EngineError
 from engine.handles import AsyncSink
 
-from ..elevenlabs.alignment import CLOCKS, Aligner
+from ..elevenlabs.alignment import CLOCKS, Aligner, Span
 from ..elevenlabs.formats import parse_output_format
 from ..elevenlabs.protocol import QuerySeed, Seed
-from ..errors import HTTP_CODES, ApiError, from_engine, json_error
+from ..errors import ELEVENLABS_PREFIXES, HTTP_CODES, ApiError, elevenlabs_client, from_engine, json_error
 from ..metrics import StreamMeter
 from ..normalize import OFF, Switches
+from ..normalize.alignment import SentAligner
 from ..service import SamplingFields, TTSService
 from ..session.http import StreamedResponse, StreamEnd, outs, whole
+from ..session.policy import require_speakable
 from ..session.pump import Audio, Failed, TurnAudio
 from ..session.utterance import aprepare_utterance
 
@@ -40,7 +42,7 @@ TTS_PATH = "/v1/text-to-speech/{voice_id}"
 STREAMED_PATHS = tuple(TTS_PATH + suffix for suffix in ("", "/stream", "/with-timestamps", "/stream/with-timestamps"))
 # ElevenLabs' apply_text_normalization: on, off, or (auto) the server's default
 NORMALIZATION = {"on": Switches(), "off": OFF, "auto": None}
-ROUTE_PREFIXES = ("/v1/text-to-speech/", "/v1/voices", "/v2/voices", "/v1/user")   # ElevenLabs' error shape
+ROUTE_PREFIXES = ELEVENLABS_PREFIXES   # ElevenLabs' error shape (and a shared route's for its clients: errors.shaped)
 
 
 class TextToSpeechRequest(BaseModel):
@@ -93,16 +95,13 @@ async def search_voices(request: Request):
     (``default``: the built-in one; ``personal``, ``non-default``, ``non-community``: the registered ones),
     ``voice_ids``, ``sort`` (``name`` or ``created_at_unix``) and ``sort_direction``, then ``page_size``
     (1..100, default 10) and ``next_page_token``. Other filters (labels, sharing) match every voice: ours carry
-    none."""
+    none. A value outside what ElevenLabs documents is a 400 ``invalid_value`` in its shape."""
     q = request.query_params
     try:
-        size = int(q.get("page_size") or 10)
-        offset = int(q.get("next_page_token") or 0)
-    except ValueError:
-        return ApiError("invalid_value", "page_size and next_page_token are integers",
-                        "page_size").elevenlabs_response()
-    if not 1 <= size <= 100 or offset < 0:
-        return ApiError("invalid_value", "page_size: 1..100", "page_size").elevenlabs_response()
+        size, offset = _search_page(q)
+        _check_choices(q)
+    except ApiError as e:
+        return e.elevenlabs_response()
     voices = await _voices(request)
     term = (q.get("search") or "").lower()
     ids = set(q.getlist("voice_ids")) - {""}
@@ -112,13 +111,44 @@ async def search_voices(request: Request):
               and q.get("category") in (None, "", v["category"]) and (not ids or v["voice_id"] in ids)
               and (kind in (None, "", "saved")
                    or kind != "community" and (kind == "default") == (v["category"] == "premade"))]
-    if q.get("sort") in ("name", "created_at_unix"):
+    if q.get("sort"):
         voices.sort(key=lambda v: (v[q["sort"]] or 0) if q["sort"] == "created_at_unix" else v["name"].lower(),
                     reverse=q.get("sort_direction") == "desc")
     page = voices[offset:offset + size]
     more = offset + size < len(voices)
     return {"voices": page, "has_more": more, "total_count": len(voices),
             "next_page_token": str(offset + size) if more else None}
+
+
+# /v2/voices' enumerated parameters and the values ElevenLabs documents for each
+SEARCH_CHOICES = {"sort": ("name", "created_at_unix"), "sort_direction": ("asc", "desc"),
+                  "voice_type": ("personal", "community", "default", "workspace", "non-default", "non-community",
+                                 "saved"),
+                  "category": ("premade", "cloned", "generated", "professional")}
+
+
+def _search_page(q) -> tuple[int, int]:
+    """``page_size`` (1..100, default 10) and the offset ``next_page_token`` (ours: a count, 0 and up)."""
+    size, offset = q.get("page_size") or "10", q.get("next_page_token") or "0"
+    if not _count(size, 3) or not 1 <= int(size) <= 100:
+        raise ApiError("invalid_value", f"page_size {size[:16]!r}: an integer in 1..100", "page_size")
+    if not _count(offset, 9):
+        raise ApiError("invalid_value", f"next_page_token {offset[:16]!r}: a token this server returned",
+                       "next_page_token")
+    return int(size), int(offset)
+
+
+def _count(value: str, digits: int) -> bool:
+    """ASCII digits only, at most ``digits`` of them (never a sign, a space or a 5,000-digit parse)."""
+    return value.isascii() and value.isdigit() and len(value) <= digits
+
+
+def _check_choices(q) -> None:
+    """Each enumerated parameter, when given (an empty value is none), one of its documented values."""
+    for name, allowed in SEARCH_CHOICES.items():
+        value = q.get(name)
+        if value and value not in allowed:
+            raise ApiError("invalid_value", f"{name} {value[:64]!r}: one of {', '.join(allowed)}", name)
 
 
 async def _voices(request: Request) -> list[dict]:
@@ -164,10 +194,9 @@ def model_list(service: TTSService, names: tuple[str, ...]) -> list[dict]:
 
 
 def wants_elevenlabs(request: Request) -> bool:
-    """Whether ``GET /v1/models`` comes from an ElevenLabs client: it sends ElevenLabs' key header
-    ``xi-api-key`` (its SDK with a key, Open WebUI's ElevenLabs engine) or is the SDK (``X-Fern-SDK-Name:
-    elevenlabs``, sent with or without a key). OpenAI clients send ``Authorization`` or nothing."""
-    return "xi-api-key" in request.headers or request.headers.get("x-fern-sdk-name", "").lower() == "elevenlabs"
+    """Whether ``GET /v1/models`` comes from an ElevenLabs client (:func:`app.errors.elevenlabs_client`): its
+    list, and its errors, are then ElevenLabs'."""
+    return elevenlabs_client(request.headers)
 
 
 def _query_seed(request: Request) -> int | None:
@@ -210,6 +239,7 @@ async def _speak(voice_id: str, request: Request, timestamps: str | None):
             raise ApiError("invalid_value", f"alignment {clock!r}: one of {', '.join(CLOCKS)}", "alignment")
         query_seed = _query_seed(request)
         body = await _body(request)
+        require_speakable(body.text, "text")        # whitespace or zero-width text: empty_input, as every transport
         voice = await run_in_threadpool(service.resolve_voice, voice_id, "voice_id")   # reads its codes
         seed = next((s for s in (body.seed, query_seed, service.settings.elevenlabs_seed) if s is not None), None)
         utterance = await aprepare_utterance(service, body.text, voice, SamplingFields(
@@ -225,8 +255,8 @@ async def _speak(voice_id: str, request: Request, timestamps: str | None):
         return from_engine(e).elevenlabs_response()
     meter = StreamMeter(metrics, "elevenlabs_http", request.state.started)
     end = StreamEnd(handle, TurnAudio(meter, encoder=encoder), metrics, endpoint)
-    aligner = utterance.aligner(clock) if timestamps else None
-    chunks = aligned_chunks(end, aligner, utterance.text)           # what the model reads
+    aligner = Alignments(utterance, clock) if timestamps else None
+    chunks = aligned_pairs(end, aligner, utterance.text)            # what the model reads
     headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no", "X-Request-Id": request.state.request_id}
     if timestamps == "whole":
         reply = await whole(request, end, whole_aligned(chunks, aligner))
@@ -234,45 +264,124 @@ async def _speak(voice_id: str, request: Request, timestamps: str | None):
     stall = service.policy.stall_timeout
     if timestamps:
         return StreamedResponse(_ndjson(chunks), end, stall, media_type="application/json", headers=headers)
-    return StreamedResponse((data async for data, _ in chunks if data), end, stall, media_type=encoder.content_type,
+    return StreamedResponse((data async for data, _, _ in chunks if data), end, stall, media_type=encoder.content_type,
                             headers=headers)
 
 
-async def aligned_chunks(end: StreamEnd, aligner: Aligner | None, text: str):
+class Alignments:
+    """A with-timestamps reply's two alignments, as ElevenLabs gives them: ``alignment`` over the text as sent
+    and ``normalized_alignment`` over the text the model read (the normalized text; the same as
+    ``alignment`` when normalization changed nothing). The interface of an
+    :class:`~app.elevenlabs.alignment.Aligner` (fed the model's text), whose spans are ``alignment``'s;
+    :attr:`normalized` is the span the last call gave ``normalized_alignment``."""
+
+    def __init__(self, utterance, clock: str):
+        self._read = Aligner(clock)               # over the text the model reads
+        self._sent = SentAligner(_Tap(self._read, self), utterance.normalized) if utterance.normalized.changed \
+            else None
+        self.clock_name = clock
+        self.normalized: Span | None = None
+
+    def add(self, delta: str, current: bool = True) -> None:
+        (self._sent or self._read).add(delta, current)
+
+    def frame(self, text_chars: int, audio=None) -> Span | None:
+        return self._said(lambda a: a.frame(text_chars, audio))
+
+    def rest(self) -> Span | None:
+        return self._said(lambda a: a.rest())
+
+    def final(self) -> Span | None:
+        return self._said(lambda a: a.final())
+
+    def _said(self, call) -> Span | None:
+        if self._sent is None:
+            self.normalized = call(self._read)
+            return self.normalized
+        return call(self._sent)                   # its inner call records ``normalized`` (the tap)
+
+
+class _Tap:
+    """The aligner a :class:`SentAligner` maps from, recording each span it gives (the normalized one)."""
+
+    def __init__(self, aligner: Aligner, into: Alignments):
+        self._aligner, self._into = aligner, into
+        self.clock_name = aligner.clock_name
+
+    def add(self, delta: str, current: bool = True) -> None:
+        self._aligner.add(delta, current)
+
+    def frame(self, *args, **kwargs) -> Span | None:
+        return self._record(self._aligner.frame(*args, **kwargs))
+
+    def rest(self) -> Span | None:
+        return self._record(self._aligner.rest())
+
+    def final(self) -> Span | None:
+        return self._record(self._aligner.final())
+
+    def _record(self, span: Span | None) -> Span | None:
+        self._into.normalized = span
+        return span
+
+
+def _normalized(aligner, span: Span | None) -> Span | None:
+    return aligner.normalized if isinstance(aligner, Alignments) else span
+
+
+async def aligned_chunks(end: StreamEnd, aligner, text: str):
     """(encoded bytes, alignment in seconds from the start or None) per frame, then the tail."""
+    async for data, alignment, _ in aligned_pairs(end, aligner, text):
+        yield data, alignment
+
+
+async def aligned_pairs(end: StreamEnd, aligner, text: str):
+    """(encoded bytes, alignment, normalized alignment) per frame, then the tail: seconds from the start, or
+    None. ``aligner``: :class:`Alignments` (the normalized one is its own) or any aligner (the same span)."""
     if aligner is not None:
         aligner.add(text)
     async for out in outs(end):
         if isinstance(out, Failed):
             return                               # logged and counted by outs; the body just ends
-        if isinstance(out, Audio):
-            span = aligner.frame(out.frame.text_chars, out.frame.audio) if aligner else None
-            yield out.data, span.seconds() if span is not None else None
+        if aligner is None:
+            span = None
+        elif isinstance(out, Audio):
+            span = aligner.frame(out.frame.text_chars, out.frame.audio)
         else:
-            span = aligner.rest() if aligner else None
-            yield out.tail, span.seconds() if span is not None else None
+            span = aligner.rest()
+        norm = _normalized(aligner, span)
+        yield (out.data if isinstance(out, Audio) else out.tail, span.seconds() if span is not None else None,
+               norm.seconds() if norm is not None else None)
 
 
-async def whole_aligned(chunks, aligner: Aligner) -> dict:
-    """The whole reply: its audio once, and its alignment re-timed knowing where the speech ended (the
-    speech clock; the read clock's spans as they came)."""
+def _merged() -> dict:
+    return {"characters": [], "character_start_times_seconds": [], "character_end_times_seconds": []}
+
+
+async def whole_aligned(chunks, aligner) -> dict:
+    """The whole reply: its audio once, and its alignments (``chunks`` of :func:`aligned_chunks` or
+    :func:`aligned_pairs`) re-timed knowing where the speech ended (the speech clock; the read clock's spans
+    as they came)."""
     audio: list[bytes] = []
-    merged = {"characters": [], "character_start_times_seconds": [], "character_end_times_seconds": []}
-    async for data, alignment in chunks:
+    merged, normalized = _merged(), _merged()
+    async for data, alignment, *rest in chunks:
         audio.append(data)
-        for key in merged if alignment else ():
-            merged[key] += alignment[key]
+        for whole_of, part in ((merged, alignment), (normalized, rest[0] if rest else alignment)):
+            for key in whole_of if part else ():
+                whole_of[key] += part[key]
     final = aligner.final()
     if final is not None:
         merged = final.seconds()
+        norm = _normalized(aligner, final)
+        normalized = norm.seconds() if norm is not None else normalized
     return {"audio_base64": base64.b64encode(b"".join(audio)).decode(), "alignment": merged,
-            "normalized_alignment": merged}
+            "normalized_alignment": normalized}
 
 
 async def _ndjson(chunks):
     """One JSON object per line, as ElevenLabs streams with-timestamps."""
-    async for data, alignment in chunks:
-        if data or alignment:
+    async for data, alignment, normalized in chunks:
+        if data or alignment or normalized:
             line = {"audio_base64": base64.b64encode(data).decode(), "alignment": alignment,
-                    "normalized_alignment": alignment}
+                    "normalized_alignment": normalized}
             yield (json.dumps(line, separators=(",", ":")) + "\n").encode()

@@ -35,6 +35,7 @@ from ..errors import ApiError
 from ..metrics import StreamMeter
 from ..service import SamplingFields
 from ..session.conversation import Conversation
+from ..session.policy import speakable
 from ..session.pump import Audio, Ended, TurnAudio
 from ..session.wire import SessionEnd, WireSession
 
@@ -88,7 +89,8 @@ class ElevenLabsSession(WireSession):
         self.queue: deque[Context] = deque()     # contexts with text waiting for the stream
         self.active: Context | None = None       # the context whose turn is open on the stream
         self._first: dict | None = None          # the message that authenticated, still to be handled
-        self._starting = False
+        self._starting: Context | None = None    # the context whose turn is being opened (it may wait for a slot)
+        self._start_wait: asyncio.Task | None = None   # that wait: a barge-in on the context cancels it
         self._closing = False
 
     # ------------------------------------------------------------------ the gate and the configuration
@@ -141,7 +143,8 @@ class ElevenLabsSession(WireSession):
 
     # ------------------------------------------------------------------ timers
     def busy(self) -> bool:
-        return self.active is not None or bool(self.queue)     # audio is still being generated: not idle
+        # audio is being generated or waits for a slot: not idle
+        return self.active is not None or self._starting is not None or bool(self.queue)
 
     def _next_deadline(self, now: float):
         deadline, what = super()._next_deadline(now)
@@ -212,7 +215,7 @@ class ElevenLabsSession(WireSession):
                            "context_id")
         if ctx is None:
             if self.multi and msg.text is not None and not msg.flush and (
-                    msg.text == "" or (msg.text.strip() == "" and msg.context_id is None)):
+                    msg.text == "" or (not speakable(msg.text) and msg.context_id is None)):
                 self.keepalive()    # a keep-alive without a context, or naming one not opened: opens none
                 return
             if len(self.contexts) >= self.policy.max_contexts:
@@ -228,14 +231,14 @@ class ElevenLabsSession(WireSession):
             raise ApiError("context_closed", f"context {cid!r} was closed: open a new context_id for more text",
                            "context_id")
         if self._is_keepalive(ctx, msg):
-            self.keepalive()    # "" (or whitespace with nothing to speak): opens no turn, is not spoken
+            self.keepalive()    # "" (or text with nothing to speak): opens no turn, is not spoken
             return
         if text:
             self._check_room(ctx, len(text))
             speaking = self.active is ctx and not ctx.turn_ended
             ctx.aligner.add(text, current=speaking)
             if speaking:
-                self.conversation.push_text(text)
+                self.push_text(text)
             else:
                 ctx.pending.append(text)        # its turn opens later (after a flush: its next turn)
                 self._enqueue(ctx)
@@ -248,19 +251,22 @@ class ElevenLabsSession(WireSession):
         await self._start_next()
 
     def _is_keepalive(self, ctx: Context, msg: ClientMessage) -> bool:
-        """Text that asks for nothing: ``""``, or whitespace for a context with nothing to speak (no turn open,
-        no text waiting), as ElevenLabs' clients send every few seconds to keep a socket. stream-input's
+        """Text that asks for nothing: ``""``, or text with nothing to speak (whitespace, a zero-width space:
+        :func:`~app.session.policy.speakable`) for a context with nothing to speak (no turn open, no text
+        waiting), as ElevenLabs' clients send ``" "`` every few seconds to keep a socket. stream-input's
         ``{"text": ""}`` is its end of input, a flush a command: neither is a keep-alive."""
-        if msg.flush or msg.text is None or msg.text.strip() or (msg.text == "" and not self.multi):
+        if msg.flush or msg.text is None or speakable(msg.text) or (msg.text == "" and not self.multi):
             return False
         return msg.text == "" or not (self._unflushed(ctx) or ctx.pending)
 
     def _check_room(self, ctx: Context, incoming: int) -> None:
-        """The socket's text buffer: every context's waiting text and what its stream has not spoken yet."""
-        self.conversation.check_buffer(incoming, sum(c.pending_chars for c in self.contexts.values()))
+        """The socket's text buffer, in characters: every context's waiting text and what its stream has not
+        read yet."""
+        self.check_buffer(incoming, sum(c.pending_chars for c in self.contexts.values()))
 
     def _enqueue(self, ctx: Context) -> None:
-        if not ctx.queued and self.active is not ctx:
+        # a context whose turn is opening takes its text when it opens (queued again it would open an empty turn)
+        if not ctx.queued and self.active is not ctx and self._starting is not ctx:
             ctx.queued = True
             self.queue.append(ctx)
 
@@ -280,7 +286,7 @@ class ElevenLabsSession(WireSession):
             return
         if not ctx.close_requested and not self._unflushed(ctx):
             ctx.close_requested = True            # end of the utterance: finish, then isFinal
-            if self.active is not ctx and not ctx.queued:
+            if self.active is not ctx and not ctx.queued and self._starting is not ctx:
                 await self._finish_context(ctx)
             return
         # barge-in: stop at the next step; the rest of this context is dropped
@@ -289,6 +295,10 @@ class ElevenLabsSession(WireSession):
         ctx.pending.clear()
         if self.active is ctx:
             self.conversation.cancel()
+        elif self._starting is ctx:
+            # its turn waits for a slot: the wait is cancelled (it leaves the queue); _start_next sends its isFinal
+            if self._start_wait is not None:
+                self._start_wait.cancel()
         else:
             if ctx.queued:
                 self.queue.remove(ctx)
@@ -312,37 +322,78 @@ class ElevenLabsSession(WireSession):
     # ------------------------------------------------------------------ turns
     async def _start_next(self) -> None:
         """Open the next queued context's turn once the stream is free. A turn that cannot open (no
-        capacity) fails its context only: an error naming it, then its isFinal."""
-        while self.active is None and not self._starting and self.queue:
+        capacity) fails its context only: an error naming it, then its isFinal. A context closed by a
+        barge-in while its turn waits for a slot (this may run from the sender, while the receive loop goes
+        on) never becomes active: its wait is cancelled, its one isFinal sent here; had the slot come at the
+        same moment, the opened turn is cancelled at once and ends as any cancelled turn (one isFinal)."""
+        while self.active is None and self._starting is None and self.queue:
             ctx = self.queue.popleft()
             ctx.queued = False
-            self._starting = True
+            self._starting = ctx
             try:
-                await self._begin_turn(ctx)
+                opened = await self._begin_turn(ctx)
             except ApiError as e:
                 if e.code == "max_turns":
                     raise SessionEnd(e) from None
                 self.metrics.requests.labels(self.path, str(e.status)).inc()
-                await self.error(e, context_id=ctx.id)
+                if not ctx.cancelled:
+                    await self.error(e, context_id=ctx.id)
                 ctx.pending.clear()
                 await self._finish_context(ctx)
                 continue
             finally:
-                self._starting = False
+                self._starting = None
+            if not opened:
+                await self._finish_context(ctx)          # closed while it waited: no turn was opened
+                continue
+            if ctx.cancelled:
+                self.conversation.cancel()               # closed as its slot came: on_ended sends its isFinal
+                return
             text, ctx.pending = "".join(ctx.pending), []
-            self.conversation.push_text(text)
+            self.push_text(text)
             if ctx.flush_pending:
                 ctx.flush_pending, ctx.turn_ended = False, True
                 self.conversation.end_text()
 
-    async def _begin_turn(self, ctx: Context) -> None:
+    async def _begin_turn(self, ctx: Context) -> bool:
+        """Open the context's turn on the conversation's stream (False: its wait for a slot was cancelled)."""
         conv = self.conversation
         params = self.service.sampling(SamplingFields(greedy=self.service.settings.elevenlabs_greedy or None))
         if conv.context_rows > (1 - FRESH_CONTEXT_BELOW) * self.service.limits.max_context_rows:
             log.info("conversation context full (%d rows): the next turn starts a fresh one", conv.context_rows)
             conv.fresh()
         meter = StreamMeter(self.metrics, self.protocol)
-        before = conv.handle
+        if not await self._await_turn(params):
+            return False
+        if not self.sender_follows_stream():
+            self.start_sender()                          # a fresh stream (first turn, full context) gets its sender
+        self.active = ctx
+        ctx.turn_ended = False
+        ctx.aligner.new_turn()
+        ctx.frames_sent = 0
+        rate, fmt = self.service.model.codec.sample_rate, self.format
+        self.turn = TurnAudio(meter, make_encoder=lambda: fmt.encoder(rate))
+        return True
+
+    async def _await_turn(self, params) -> bool:
+        """The conversation's turn begun, its wait for a slot in a task of its own that a barge-in on the
+        starting context cancels (:meth:`_close_context`): the wait leaves the admission queue, no slot is
+        taken. False when it was cancelled so; the catalogue's error when the turn cannot open."""
+        task = asyncio.ensure_future(self._admit(params))
+        self._start_wait = task
+        try:
+            await asyncio.wait({task})
+        finally:
+            self._start_wait = None
+            if not task.done():
+                task.cancel()                            # the session ends meanwhile (its sender is cancelled)
+        if task.cancelled():
+            return False
+        task.result()
+        return True
+
+    async def _admit(self, params) -> None:
+        conv = self.conversation
         try:
             await conv.begin_turn(params)                # awaits a slot, holds no thread
         except ApiError as e:
@@ -350,14 +401,6 @@ class ElevenLabsSession(WireSession):
                 raise
             conv.fresh()                                 # the conversation is full: continue on a fresh context
             await conv.begin_turn(params)
-        if conv.handle is not before or self._sender is None:
-            self.start_sender()
-        self.active = ctx
-        ctx.turn_ended = False
-        ctx.aligner.new_turn()
-        ctx.frames_sent = 0
-        rate, fmt = self.service.model.codec.sample_rate, self.format
-        self.turn = TurnAudio(meter, make_encoder=lambda: fmt.encoder(rate))
 
     # ------------------------------------------------------------------ the turn's events
     async def on_audio(self, out: Audio) -> None:

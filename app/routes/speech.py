@@ -20,7 +20,7 @@ from ..metrics import StreamMeter
 from ..schemas import SpeechRequest
 from ..service import SamplingFields, TTSService
 from ..session.http import StreamedResponse, StreamEnd, outs, whole
-from ..session.policy import require_key
+from ..session.policy import require_key, require_speakable
 from ..session.pump import Audio, Ended, Failed, TurnAudio
 from ..session.utterance import Utterance, aprepare_utterance
 from ..word_timestamps import WordTimestamps
@@ -60,6 +60,8 @@ async def start_speech(body: SpeechRequest, request: Request, transport: str,
     """The request's utterance checked and its stream opened (every route with OpenAI's speech body)."""
     service: TTSService = request.app.state.service
     service.require_ready()
+    if isinstance(body.input, str):
+        require_speakable(body.input, "input")       # whitespace or zero-width text: empty_input, as every transport
     voice = await run_in_threadpool(service.resolve_voice,     # a registered voice's codes come from disk
                                     body.voice.model_dump() if hasattr(body.voice, "model_dump") else body.voice)
     utterance = await aprepare_utterance(service, body.input, voice, SamplingFields(

@@ -26,6 +26,7 @@ from ..metrics import FRAME_SECONDS, StreamMeter
 from ..schemas import SamplingExtras, VoiceRef, WholeInt
 from ..service import SamplingFields
 from ..session.conversation import Conversation
+from ..session.policy import speakable
 from ..session.pump import Audio, Ended, TurnAudio
 from ..session.wire import SessionEnd, WireSession
 from ..uploads import decode_upload
@@ -212,15 +213,17 @@ class OurSession(WireSession):
 
     async def on_text(self, data: dict) -> None:
         msg = TextInput.model_validate(data)
-        if msg.text == "":
-            self.keepalive()                             # no text: opens no turn, moves only the idle clock
+        if msg.text == "" or (not self.turn_open and not speakable(msg.text)):
+            # no text, or nothing to speak (whitespace, a zero-width space) with no turn open: opens no turn,
+            # moves only the idle clock; within a turn whitespace is text (it separates words)
+            self.keepalive()
             return
         Conversation.check_text(msg.text)                # refused before it can open (and count) a turn
         self._refuse_text_of_refused_turn()
         await self._open_turn()
         self.conversation.check_takes_text()
-        self.conversation.check_buffer(len(msg.text))
-        self.conversation.push_text(msg.text)
+        self.check_buffer(len(msg.text))                 # characters, not the tokens they commit to
+        self.push_text(msg.text)
 
     async def on_tokens(self, data: dict) -> None:
         msg = TokensInput.model_validate(data)
@@ -231,7 +234,7 @@ class OurSession(WireSession):
         self._refuse_text_of_refused_turn()
         await self._open_turn()
         self.conversation.check_takes_text()
-        self.conversation.check_buffer(len(msg.ids))
+        self.check_buffer(len(msg.ids))                  # a token id counts as one character
         self.conversation.push_ids(msg.ids)
 
     async def on_done(self, data: dict) -> None:

@@ -11,6 +11,7 @@ can set neither header on one); an ElevenLabs socket may send the key in its fir
 from __future__ import annotations
 
 import hmac
+import unicodedata
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
@@ -23,6 +24,51 @@ SUBPROTOCOL_PREFIX = "mossrt.key."
 
 
 DEFAULT_PORTS = {"http": 80, "https": 443, "ws": 80, "wss": 443}
+# categories of characters that are never spoken: separators (spaces, NBSP, line/paragraph separators), controls
+# and format characters (zero-width space and joiners, word joiner, BOM, bidi marks)
+UNSPOKEN_CATEGORIES = ("Zs", "Zl", "Zp", "Cc", "Cf")
+
+
+def speakable(text: str) -> bool:
+    """Whether ``text`` has a character to speak: anything but Unicode whitespace, separators, controls and
+    format characters (``" "``, NBSP, ``"\\u200b"``, ``"\\ufeff"``... alone are not). The one rule of every
+    transport: unspeakable text is a keep-alive where the protocol has one, else refused as ``empty_input``."""
+    return any(not ch.isspace() and unicodedata.category(ch) not in UNSPOKEN_CATEGORIES for ch in text)
+
+
+def require_speakable(text: str, param: str = "input") -> None:
+    """Refuse (400 ``empty_input``) a whole utterance with nothing to speak (see :func:`speakable`)."""
+    if not speakable(text):
+        raise ApiError("empty_input", f"{param} is empty or only whitespace", param)
+
+
+@dataclass
+class TextLedger:
+    """The characters of one open turn's text: received (as sent) and read by the model (its frames'
+    ``text_chars``, NFC as tokenized). Their difference is the text received but not yet spoken, the text
+    buffer's measure (``--ws-max-buffered-chars`` counts characters, not the tokens they commit to)."""
+
+    received: int = 0
+    read: int = 0
+
+    def took(self, chars: int) -> None:
+        self.received += chars
+
+    def saw_frame(self, text_chars: int) -> None:
+        self.read = max(self.read, text_chars)
+
+    def unspoken(self, stream) -> int:
+        """Characters of this turn not yet read by the model (``stream``: its ``StreamState``). A turn fed token
+        ids counts each id not yet fed as one. Whenever the stream has nothing pending, everything received
+        has been read: the count catches up, so text whose NFC form is shorter than as sent cannot add up."""
+        if stream is None:
+            return 0
+        if not self.received:
+            return stream.pending_text_ids            # token ids, or nothing received yet
+        if not stream.pending_text_chars and not stream.pending_text_ids:
+            self.read = self.received
+            return 0
+        return max(self.received - self.read, stream.pending_text_chars)
 
 
 def origin_key(value: str) -> str | None:
@@ -73,9 +119,17 @@ class SessionPolicy:
     max_turns: int                # turns of one socket
     max_contexts: int             # open contexts of one ElevenLabs multi-context socket
 
+    def check_buffer(self, waiting: int, incoming: int) -> None:
+        """The text buffer bound: ``waiting`` characters not yet spoken (:class:`TextLedger`, and text of the
+        session waiting outside the stream) and ``incoming`` together at most ``max_buffered_chars``."""
+        if waiting + incoming > self.max_buffered_chars:
+            raise ApiError("text_buffer_full", f"text buffer full: at most {self.max_buffered_chars} characters "
+                                               "may wait to be spoken; send more once audio has caught up")
+
     @classmethod
     def from_settings(cls, s: ServerSettings) -> "SessionPolicy":
-        return cls(api_keys=tuple(s.api_keys), keyless_routes=tuple(s.keyless_routes), cors_origins=tuple(s.cors_origins), queue_timeout=s.queue_timeout,
+        return cls(api_keys=tuple(s.api_keys), keyless_routes=tuple(s.keyless_routes),
+                   cors_origins=tuple(s.cors_origins), queue_timeout=s.queue_timeout,
                    stall_timeout=s.stall_timeout, text_timeout=s.ws_text_timeout, idle_timeout=s.ws_idle_timeout,
                    auth_timeout=s.ws_auth_timeout, max_message_bytes=s.ws_max_message_bytes,
                    max_buffered_chars=s.ws_max_buffered_chars, max_turns=s.ws_max_turns,

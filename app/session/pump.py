@@ -19,6 +19,7 @@ from engine.stream import Frame, TurnStats
 from ..audio_formats import StreamEncoder
 from ..errors import ApiError, from_engine
 from ..metrics import FRAME_SECONDS, StreamMeter
+from .policy import TextLedger
 
 
 @dataclass(frozen=True)
@@ -44,7 +45,8 @@ Out = Audio | Failed | Ended
 class TurnAudio:
     """One turn's events → :data:`Out`, with its meter and its encoder: ``make_encoder()`` at the turn's first
     audio (a WAV header goes before each turn's first samples), or ``encoder`` made beforehand (HTTP: its
-    format is checked before the stream opens)."""
+    format is checked before the stream opens). :attr:`text` counts the turn's characters received and read
+    (the text buffer's measure)."""
 
     def __init__(self, meter: StreamMeter, make_encoder: Callable[[], StreamEncoder] | None = None,
                  encoder: StreamEncoder | None = None):
@@ -52,10 +54,12 @@ class TurnAudio:
         self.encoder = encoder
         self.meter = meter
         self.seconds_per_frame = FRAME_SECONDS
+        self.text = TextLedger()
 
     def on_event(self, event) -> Out | None:
         if isinstance(event, FrameEvent):
             self.meter.frame()
+            self.text.saw_frame(event.frame.text_chars)
             if event.frame.audio is None:
                 return None
             if self.encoder is None:

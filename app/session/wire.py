@@ -16,6 +16,12 @@ renders its events (:class:`WireSession`'s hooks).
   stream (slot freed, ``mossrt_stalled_streams_total`` counted) and its socket.
 - **Teardown**, however the session ends: the sender stops, the stream's slot is freed, the socket count
   drops.
+- **Shutdown**: once the drain is over (turns finished, or the drain timeout stopped them), every socket
+  still open is ended by :func:`close_sessions` with the catalogue's ``draining`` error in its protocol's
+  shape and its close code (ours 4503, ElevenLabs' 1008), before uvicorn's own shutdown would close it
+  with 1012 and no reason.
+- **The text buffer** counts characters (:class:`~app.session.policy.TextLedger`): what the open turn
+  received and its model has not read yet, plus what the protocol holds outside the stream.
 """
 
 from __future__ import annotations
@@ -36,6 +42,23 @@ from .pump import Audio, Ended, Failed, Out, TurnAudio
 log = logging.getLogger("mossrt.ws")
 TEXT_POLL_S = 0.5          # how often an open turn's wait for text is looked at (the text clock's resolution)
 CLOSE_BOUND_S = 5.0        # a client that reads nothing cannot take the close frame either
+
+
+def open_sessions(app) -> set["WireSession"]:
+    """The app's WebSocket sessions still open (every protocol's)."""
+    sessions = getattr(app.state, "wire_sessions", None)
+    if sessions is None:
+        sessions = app.state.wire_sessions = set()
+    return sessions
+
+
+async def close_sessions(app, err: ApiError | None = None) -> int:
+    """End every open session with ``err`` (default: ``draining``) in its protocol's shape and close code, each
+    within :data:`CLOSE_BOUND_S`; returns how many were open. The shutdown calls it after the drain."""
+    err = err or ApiError("draining", "the server is shutting down: reconnect to another instance")
+    sessions = [s for s in open_sessions(app) if not s.closed]
+    await asyncio.gather(*(asyncio.wait_for(s.end(err), CLOSE_BOUND_S) for s in sessions), return_exceptions=True)
+    return len(sessions)
 
 
 class ClientStalled(Exception):
@@ -93,6 +116,7 @@ class WireSession:
         self.turn: TurnAudio | None = None    # the open turn's audio (its encoder and meter)
         self._send_lock = asyncio.Lock()
         self._sender: asyncio.Task | None = None
+        self._sender_handle = None            # the stream whose events the sender sends
         now = time.monotonic()
         self.active_since = now   # the idle clock: the last message that did something, or the last turn's end
         self.quiet_since = now    # the keep-alive clock: the same, keep-alives too
@@ -107,6 +131,8 @@ class WireSession:
         authorized, subprotocol = self.policy.websocket_credentials(self.ws.headers, self.ws.query_params)
         await self.ws.accept(subprotocol=subprotocol)
         self.metrics.sessions.inc()
+        sessions = open_sessions(self.ws.app)
+        sessions.add(self)
         claimed = False
         try:
             if not authorized:
@@ -127,6 +153,7 @@ class WireSession:
             log.exception("%s session failed", self.protocol)
             await self.end(ApiError("internal_error", f"internal error: {type(e).__name__}"))
         finally:
+            sessions.discard(self)
             self.metrics.sessions.dec()
             if claimed:
                 self.service.release_session()
@@ -229,6 +256,24 @@ class WireSession:
                  self.policy.text_timeout)
         self.conversation.end_text()
 
+    # ------------------------------------------------------------------ text into the turn
+    def unspoken_chars(self) -> int:
+        """Characters of the open turn received and not yet read by its model (0 between turns)."""
+        if self.turn is None or self.conversation is None or self.conversation.handle is None:
+            return 0
+        return self.turn.text.unspoken(self.conversation.handle.stream)
+
+    def check_buffer(self, incoming: int, elsewhere: int = 0) -> None:
+        """The socket's text buffer (``--ws-max-buffered-chars``, in characters): the open turn's unspoken
+        text, ``elsewhere`` (the protocol's text waiting outside the stream) and ``incoming`` together."""
+        self.policy.check_buffer(self.unspoken_chars() + elsewhere, incoming)
+
+    def push_text(self, text: str) -> int:
+        """Text into the open turn, counted toward the text buffer (checked with :meth:`check_buffer` first)."""
+        if self.turn is not None:
+            self.turn.text.took(len(text))
+        return self.conversation.push_text(text)
+
     # ------------------------------------------------------------------ sending
     async def send_json(self, payload: dict) -> None:
         await self._send(self.ws.send_text(json.dumps(payload, separators=(",", ":"))))
@@ -279,7 +324,12 @@ class WireSession:
         """Send the conversation's stream's events from now on (a fresh stream gets a sender of its own)."""
         if self._sender is not None and self._sender is not asyncio.current_task():
             self._sender.cancel()
+        self._sender_handle = self.conversation.handle
         self._sender = asyncio.create_task(self._send_events(self.conversation.handle))
+
+    def sender_follows_stream(self) -> bool:
+        """Whether a sender sends the conversation's current stream's events (a fresh stream needs its own)."""
+        return self._sender is not None and self._sender_handle is self.conversation.handle
 
     async def _send_events(self, handle) -> None:
         try:
