@@ -8,6 +8,7 @@ in the language around it (Mandarin where the nearest letter is a Han character,
 
 from __future__ import annotations
 
+import bisect
 import logging
 import re
 from dataclasses import dataclass, field
@@ -16,6 +17,10 @@ from pydantic import BaseModel, ConfigDict, StrictBool
 
 from .languages import LANGUAGES
 from .rules import RULES, Rule
+from .work import SAY_COST, BudgetExceeded, Cancelled, NormalizationError, Work
+
+__all__ = ["OFF", "BudgetExceeded", "Cancelled", "Normalized", "NormalizationError", "Segment", "Switches", "Work",
+           "language_at", "normalize", "warm"]
 
 log = logging.getLogger("mossrt.app")
 
@@ -77,41 +82,78 @@ LANGUAGE_WINDOW = 64               # characters looked at on each side of a matc
 _UNIT_SYMBOL = re.compile(r"(?a)(?<=\d)\s?°?[A-Za-zµ]{1,4}(?:/[A-Za-z]{1,4})?\b")
 
 
+_LETTER = re.compile(r"[^\W\d_]")
+
+
+class _Languages:
+    """The language of any span of one text in O(log n): its letters (but those of a unit symbol after a number)
+    found once, in one pass, and looked up by bisection."""
+
+    def __init__(self, text: str, work: Work | None = None):
+        if work is not None:
+            work.charge(2 * len(text))                   # the two scans below
+        units = [(m.start(), m.end()) for m in _UNIT_SYMBOL.finditer(text)]
+        self._at: list[int] = []
+        self._zh: list[bool] = []
+        k = 0
+        for m in _LETTER.finditer(text):
+            i = m.start()
+            while k < len(units) and units[k][1] <= i:
+                k += 1
+            if (k < len(units) and units[k][0] <= i) or not text[i].isalpha():
+                continue
+            self._at.append(i)
+            self._zh.append(_is_han(text[i]))
+
+    def at(self, start: int, end: int) -> str:
+        """As :func:`language_at`."""
+        i = bisect.bisect_left(self._at, start) - 1
+        if i >= 0 and self._at[i] >= start - LANGUAGE_WINDOW:
+            return "zh" if self._zh[i] else "en"
+        j = bisect.bisect_left(self._at, end)
+        if j < len(self._at) and self._at[j] < end + LANGUAGE_WINDOW:
+            return "zh" if self._zh[j] else "en"
+        return "en"
+
+
 def language_at(text: str, start: int, end: int) -> str:
     """The language a match is said in: that of the nearest letter before it, else after it, within
     LANGUAGE_WINDOW characters (Mandarin for a Han character), else English. The letters of a unit symbol after a
     number are skipped, so that in 重2kg，500mL the 500mL is Mandarin."""
-    before = _UNIT_SYMBOL.sub("", text[max(0, start - LANGUAGE_WINDOW):start])
-    after = _UNIT_SYMBOL.sub("", text[end:end + LANGUAGE_WINDOW])
-    for ch in (*reversed(before), *after):
-        if ch.isalpha():
-            return "zh" if _is_han(ch) else "en"
-    return "en"
+    return _Languages(text).at(start, end)
 
 
-def normalize(text: str, switches: Switches = Switches()) -> Normalized:
-    """``text`` as the model should read it, and where each change came from."""
+def normalize(text: str, switches: Switches = Switches(), work: Work | None = None) -> Normalized:
+    """``text`` as the model should read it, and where each change came from. Each enabled rule scans the text
+    once, each match said in its own language; the cost is linear in the text and counted in ``work`` (a
+    :class:`Work`; its cap raises :class:`BudgetExceeded`, its ``cancel`` event :class:`Cancelled`)."""
     if not switches.normalize:
         return Normalized(text, text)
+    work = work if work is not None else Work()
+    langs = _Languages(text, work)
     claimed: list[tuple[int, int, str, str]] = []          # (start, end, spoken, rule) in the sent text
-    taken = [False] * len(text)
+    taken = bytearray(len(text))
     for rule in RULES:
         if not switches.enabled(rule):
             continue
-        for lang_code in ("en", "zh"):
-            for start, end, match in rule.find(text, lang_code):
-                if start >= end or any(taken[start:end]) or language_at(text, start, end) != lang_code:
-                    continue
-                try:
-                    said = rule.say(match, LANGUAGES[lang_code])
-                except Exception:  # noqa: BLE001 - a library that cannot say a match: it is read as sent
-                    log.warning("normalization rule %s failed on %r; left as sent", rule.name, text[start:end],
-                                exc_info=True)
-                    continue
-                if not said or said == text[start:end]:
-                    continue
-                claimed.append((start, end, _padded(text, start, end, said) if rule.pad else said, rule.name))
-                taken[start:end] = [True] * (end - start)
+        before = work.examined
+        for start, end, match in rule.find(text, work, langs):
+            if start >= end or any(taken[start:end]):
+                continue
+            lang_code = langs.at(start, end)
+            try:
+                said = rule.say(match, LANGUAGES[lang_code])
+            except Exception:  # noqa: BLE001 - a library that cannot say a match: it is read as sent
+                log.warning("normalization rule %s failed on %r; left as sent", rule.name, text[start:end],
+                            exc_info=True)
+                continue
+            if not said or said == text[start:end]:
+                continue
+            work.said += 1
+            work.charge(SAY_COST + len(said) + end - start)
+            claimed.append((start, end, _padded(text, start, end, said) if rule.pad else said, rule.name))
+            taken[start:end] = b"\x01" * (end - start)
+        work.per_rule[rule.name] = work.per_rule.get(rule.name, 0) + work.examined - before
     claimed.sort()
     parts, segments, at, spoken_len = [], [], 0, 0
     for start, end, said, rule in claimed:

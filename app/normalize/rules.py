@@ -14,7 +14,7 @@ from typing import Callable, Iterator
 import phonenumbers
 
 from .languages import unit_name
-
+from .work import Work
 
 
 @dataclass(frozen=True)
@@ -22,30 +22,140 @@ class Rule:
     name: str
     switch: str | None            # the option that enables it, besides ``normalize`` (None: ``normalize`` alone)
     what: str                     # for the documentation's table
-    find: Callable[[str, str], Iterator[tuple[int, int, re.Match]]]   # (start, end, match) in the text
+    find: Callable[[str, Work, object], Iterator[tuple[int, int, re.Match]]]  # (text, work, languages) -> matches
     say: Callable[[re.Match, object], str | None]                      # (match, language): what is read
     pad: bool = True              # a space between what is said and a letter it would run into
 
 
-def _regex(pattern: str, flags: int = 0):
-    compiled = re.compile(pattern, flags | re.ASCII)       # \b and \w: a digit next to a Han character is a boundary
+# Every finder is linear in its text: a scan that costs O(1) a position finds where a match may start, and the
+# rule's pattern is matched there within a window the code bounds (``endpos``: the engine reads no further), each
+# window counted in ``Work``. A window is a constant (patterns whose quantifiers are all bounded) or a possessive
+# run of one character class from the start plus a constant (the digits of a number), and the starts of one rule
+# are at most one a run, so the windows of a rule add up to a few times the text.
 
-    def find(text: str, lang: str):
-        for m in compiled.finditer(text):
-            yield m.start(), m.end(), m
+def _anchored(starts: str, pattern: str, reach: int, run: str | None = None, flags: int = 0):
+    """Matches of ``pattern`` at the (zero-width) ``starts``, read within the ``run`` from the start (a
+    possessive pattern: its end, or the start) plus ``reach`` characters, the most the pattern may read past it."""
+    starts_re = re.compile(starts, flags | re.ASCII)       # \b and \w: a digit next to a Han character is a boundary
+    compiled = re.compile(pattern, flags | re.ASCII)
+    run_re = re.compile(run, flags | re.ASCII) if run else None
+
+    def find(text: str, work: Work, langs) -> Iterator[tuple[int, int, re.Match]]:
+        n, last = len(text), 0
+        work.charge(n)                                     # the scan for starts
+        for s in starts_re.finditer(text):
+            at = s.start()
+            if at < last:
+                continue
+            stop = min(n, (run_re.match(text, at).end() if run_re else at) + reach)
+            work.charge(stop - at + 1)
+            m = compiled.match(text, at, stop)
+            if m and m.end() > at:
+                last = m.end()
+                yield at, m.end(), m
     return find
 
 
 _TRAILING = ".,;:!?)]}'\""
+_TLDS = "com|org|net|io|dev|ai|edu|gov|app|co|uk|de|fr|cn|jp"
+# as before: a scheme (or www.) and what follows it, or dotted labels ending in a known top-level domain; the
+# runs are possessive (nothing after them can give a character back), the labels' backtracking stays in one run
+_URL = re.compile(r"(?:https?://|www\.)[^\s<>\"]++|\b(?:[A-Za-z0-9-]+\.)+(?:" + _TLDS + r")\b(?:/[^\s<>\"]*+)?",
+                  re.ASCII)
+_SCHEME = re.compile(r"https?://|www\.", re.ASCII)
+_TLD = re.compile(r"(?<=[A-Za-z0-9-])\.(?:" + _TLDS + r")\b", re.ASCII)
+_DOTTED = re.compile(r"[A-Za-z0-9.-]*+", re.ASCII)
+_LABEL = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-")
 
 
-def _url_find(text: str, lang: str):
-    for m in re.finditer(r"(?a)(?:https?://|www\.)[^\s<>\"]+|\b(?:[A-Za-z0-9-]+\.)+(?:com|org|net|io|dev|ai|edu|gov|app|"
-                         r"co|uk|de|fr|cn|jp)\b(?:/[^\s<>\"]*)?", text):
+def _url_find(text: str, work: Work, langs):
+    """Web addresses: where a scheme is, and from the first label of the dotted run before each known
+    top-level domain (found by walking left, never past the previous domain: each character once)."""
+    work.charge(2 * len(text))                             # the two scans for anchors
+    candidates = [(m.start(), m.start()) for m in _SCHEME.finditer(text)]
+    floor = 0
+    for m in _TLD.finditer(text):
+        j = i = m.start()
+        while j > floor:
+            ch = text[j - 1]
+            if ch in _LABEL or (ch == "." and text[j] in _LABEL and j - 1 > floor and text[j - 2] in _LABEL):
+                j -= 1
+            else:
+                break
+        work.charge(i - j + 1)
+        candidates.append((j, i))
+        floor = i + 1
+    candidates.sort()
+    last = 0
+    for start, anchor in candidates:
+        if anchor < last:
+            continue
+        for at in range(max(start, last), anchor + 1):     # a leading "-" is no word boundary: the next one is
+            m = _URL.match(text, at)
+            work.charge(max(m.end() if m else at, _DOTTED.match(text, at).end()) - at + 1)
+            if m:
+                break
+        else:
+            continue
         end = m.end()
         while end > m.start() and text[end - 1] in _TRAILING:
             end -= 1
+        work.charge(m.end() - end)
+        last = m.end()
         yield m.start(), end, m
+
+
+_EMAIL = re.compile(r"[A-Za-z0-9._%+-]++@[A-Za-z0-9-]++(?:\.[A-Za-z0-9-]++)+", re.ASCII)
+_EMAIL_LOCAL = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789._%+-")
+_DOMAIN_RUN = re.compile(r"[A-Za-z0-9.-]*+", re.ASCII)
+
+
+def _email_find(text: str, work: Work, langs):
+    """E-mail addresses, from each "@": its local part walked left (never past the previous "@" or match, so each
+    character once), its domain matched right."""
+    work.charge(len(text))
+    last = 0
+    at = text.find("@")
+    while at >= 0:
+        if at >= last:
+            j = at
+            while j > last and text[j - 1] in _EMAIL_LOCAL:
+                j -= 1
+            m = _EMAIL.match(text, j) if j < at else None
+            work.charge(at - j + _DOMAIN_RUN.match(text, at + 1).end() - at)
+            if m:
+                last = m.end()
+                yield j, m.end(), m
+            else:
+                last = at + 1                              # "@" is no part of a local part: none starts before it
+        at = text.find("@", at + 1)
+
+
+# a phone number's characters: digits (any script's), the punctuation phonenumbers reads in one, and spaces
+_PHONE_RUN = re.compile(r"[+(\[\uff08\uff3b\d][\d\s().+\-/\[\]~\u2010-\u2015\u2212\u30fc\uff0d-\uff0f\u00ad"
+                        r"\u200b\u2060\u3000\uff08\uff09\uff3b\uff3d\u2053\u223c\uff5e]*+")
+
+
+def _phone_find(text: str, work: Work, langs):
+    """Phone numbers: phonenumbers' matcher over each run of a number's characters with seven digits or more
+    (and the character each side, which its matcher looks at), in the region of the run's language."""
+    work.charge(len(text))
+    for run in _PHONE_RUN.finditer(text):
+        raw = run.group(0)
+        if sum(c in "0123456789" for c in raw) < 7:
+            continue
+        lang = langs.at(run.start(), run.start() + len(raw.rstrip()))
+        base = max(0, run.start() - 1)
+        window = text[base:run.end() + 1]
+        work.charge(len(window))
+        region, leniency = ("CN", phonenumbers.Leniency.VALID) if lang == "zh" else \
+            ("US", phonenumbers.Leniency.POSSIBLE)
+        for m in phonenumbers.PhoneNumberMatcher(window, region, leniency=leniency):
+            if not re.fullmatch(r"\+?[0-9 ().-]+", m.raw_string) or sum(c in "0123456789" for c in m.raw_string) < 7:
+                continue                          # "13/45/2024" is possible as a US number, not as a phone one
+            start, end = base + m.start, base + m.end
+            if langs.at(start, end) == lang:
+                yield start, end, re.fullmatch(r"(?s).*", m.raw_string)
 
 
 def _say_spelled(text: str, lang) -> str:
@@ -65,14 +175,6 @@ def _say_url(m, lang):
     url = m.group(0).rstrip(_TRAILING)
     url = re.sub(r"^https?://", "", url)
     return _say_spelled(url.rstrip("/"), lang)
-
-
-def _phone_find(text: str, lang: str):
-    region, leniency = ("CN", phonenumbers.Leniency.VALID) if lang == "zh" else ("US", phonenumbers.Leniency.POSSIBLE)
-    for m in phonenumbers.PhoneNumberMatcher(text, region, leniency=leniency):
-        if not re.fullmatch(r"\+?[0-9 ().-]+", m.raw_string) or sum(c in "0123456789" for c in m.raw_string) < 7:
-            continue                              # "13/45/2024" is possible as a US number, not as a phone one
-        yield m.start, m.end, re.fullmatch(r"(?s).*", m.raw_string)
 
 
 def _say_phone(m, lang) -> str:
@@ -170,50 +272,64 @@ _NUMBER = r"(?:\d{1,3}(?:,\d{3})+|\d+)"
 # English month names and their abbreviations (Mar, Mar.), capitalized: "may" is a verb
 _MONTHS = {name: i for i in range(1, 13) for name in (calendar.month_name[i], calendar.month_abbr[i])} | {"Sept": 9}
 _MONTH = "|".join(sorted(_MONTHS, key=len, reverse=True))       # March before Mar
-_NAMED_DATE = (rf"\b(?P<mon>{_MONTH})\b\.?\s+(?P<md>\d{{1,2}})(?:st|nd|rd|th)?,?\s+(?P<my>\d{{4}})\b"
-               rf"|\b(?P<dd>\d{{1,2}})(?:st|nd|rd|th)?\s+(?P<mon2>{_MONTH})\b\.?,?\s+(?P<dy>\d{{4}})\b"
-               rf"|\b(?P<mon3>{_MONTH})\b\.?,?\s+(?P<yy>\d{{4}})\b")
+_SP = r"\s{1,8}"                   # the spaces between a date's parts: at most 8, so that its window is bounded
+_NAMED_DATE = (rf"\b(?P<mon>{_MONTH})\b\.?{_SP}(?P<md>\d{{1,2}})(?:st|nd|rd|th)?,?{_SP}(?P<my>\d{{4}})\b"
+               rf"|\b(?P<dd>\d{{1,2}})(?:st|nd|rd|th)?{_SP}(?P<mon2>{_MONTH})\b\.?,?{_SP}(?P<dy>\d{{4}})\b"
+               rf"|\b(?P<mon3>{_MONTH})\b\.?,?{_SP}(?P<yy>\d{{4}})\b")
+_MONTH_START = "Jan|Feb|Mar|Apr|May|Jun|Jul|Aug|Sep|Oct|Nov|Dec"        # every name and abbreviation begins so
 
 # a decade: a year ending in 0 with an s (1990s, 1990's); two digits (80s) only after an apostrophe ('80s) or a
 # word that makes it an age or an era (the 80s, her 30s, early 60s), since "a 30s clip" is thirty seconds
 _DECADE = (r"(?<![\w.,'’])['’]?(?P<y>[1-9]\d{2}0)['’]?s\b"
            r"|(?<![\w.,])['’](?P<t>[1-9]0)['’]?s\b"
-           r"|\b(?P<lead>(?:[Tt]he|[Hh]is|[Hh]er|[Tt]heir|[Mm]y|[Yy]our|[Oo]ur|[Ee]arly|[Mm]id|[Ll]ate)[\s-]+)"
+           r"|\b(?P<lead>(?:[Tt]he|[Hh]is|[Hh]er|[Tt]heir|[Mm]y|[Yy]our|[Oo]ur|[Ee]arly|[Mm]id|[Ll]ate)[\s-]{1,4})"
            r"(?P<t2>[1-9]0)['’]?s\b")
+
+# a number's characters from its start (a sign, digits, separators): the run its window covers
+_NUMBER_RUN = r"-?[0-9.,]*+"
 
 RULES: tuple[Rule, ...] = (
     Rule("email", "email_normalization", "e-mail addresses, symbol by symbol",
-         _regex(r"[A-Za-z0-9._%+-]+@[A-Za-z0-9-]+(?:\.[A-Za-z0-9-]+)+"), lambda m, lang: _say_spelled(m.group(0), lang)),
+         _email_find, lambda m, lang: _say_spelled(m.group(0), lang)),
     Rule("url", "url_normalization", "web addresses, without the scheme", _url_find, _say_url),
     Rule("phone", "phone_normalization", "phone numbers (phonenumbers' matcher), digit by digit",
          _phone_find, _say_phone),
     Rule("date", None, "dates: ISO (2024-01-15), US (1/15/2024) and with a month's name (March 5, 2024)",
-         _regex(r"\b(?P<y>\d{4})-(?P<mo>\d{1,2})-(?P<d>\d{1,2})\b|\b(?P<mo2>\d{1,2})/(?P<d2>\d{1,2})/(?P<y2>\d{4})\b|"
-                + _NAMED_DATE), _say_date_any),
-    Rule("year", None, "Mandarin years (2024年)", _regex(r"(?P<y>\d{4})(?=年)"), _say_zh_year),
+         _anchored(rf"\b(?=\d|{_MONTH_START})",
+                   r"\b(?P<y>\d{4})-(?P<mo>\d{1,2})-(?P<d>\d{1,2})\b|"
+                   r"\b(?P<mo2>\d{1,2})/(?P<d2>\d{1,2})/(?P<y2>\d{4})\b|" + _NAMED_DATE, 40), _say_date_any),
+    Rule("year", None, "Mandarin years (2024年)", _anchored(r"(?=\d{4}年)", r"(?P<y>\d{4})(?=年)", 5), _say_zh_year),
     # before the units: the s of 1990s is not seconds
     Rule("decade", None, "English decades (1990s, '80s, the 60s: two digits only after an apostrophe or a word "
-         "such as the, her, early)", _regex(_DECADE), _say_decade),
+         "such as the, her, early)", _anchored(r"(?=['’1-9])|\b(?=[TtHhMmYyOoEeLl])", _DECADE, 16), _say_decade),
     Rule("fraction", None, "proper fractions, with a whole number before them (3/4, 1 1/2)",
-         _regex(r"(?<![\w/.,])(?:(?P<w>\d{1,3})\s)?(?P<a>\d{1,3})/(?P<b>\d{1,3})(?![\w/]|[.,]\d)"), _say_fraction),
+         _anchored(r"(?<![\w/.,])(?=\d)",
+                   r"(?<![\w/.,])(?:(?P<w>\d{1,3})\s)?(?P<a>\d{1,3})/(?P<b>\d{1,3})(?![\w/]|[.,]\d)", 14),
+         _say_fraction),
     Rule("time", None, "clock times (3:30, 15:05:09, 3:30 pm, 7 am)",
-         _regex(r"\b(?P<h>\d{1,2})(?::(?P<m>\d{2})(?::(?P<s>\d{2}))?(?:\s?(?P<ap>[AaPp])\.?[Mm]\b)?|"
-                r"\s?(?P<ap2>[AaPp])\.?[Mm]\b)"), _say_time_any),
+         _anchored(r"\b(?=\d)", r"\b(?P<h>\d{1,2})(?::(?P<m>\d{2})(?::(?P<s>\d{2}))?(?:\s?(?P<ap>[AaPp])\.?[Mm]\b)?|"
+                   r"\s?(?P<ap2>[AaPp])\.?[Mm]\b)", 15), _say_time_any),
     Rule("currency", None, "amounts of $, €, £, ¥ (with thousand/million/billion)",
-         _regex(r"(?P<sym>[$€£¥])\s?(?P<whole>" + _NUMBER + r")(?:\.(?P<cents>\d+))?"
-                r"(?:\s(?P<scale>thousand|million|billion|trillion)\b)?", re.I), _say_currency),
-    Rule("percent", None, "percentages", _regex(r"(?<![\w.])(?P<n>-?" + _NUMBER + r"(?:\.\d+)?)\s?%"),
+         _anchored(r"(?=[$€£¥])", r"(?P<sym>[$€£¥])\s?(?P<whole>" + _NUMBER + r")(?:\.(?P<cents>\d+))?"
+                   r"(?:\s(?P<scale>thousand|million|billion|trillion)\b)?", 11, r"[$€£¥]\s?[0-9.,]*+", re.I),
+         _say_currency),
+    # a percentage starts where a number does, or after a comma that follows no digit (10%,20%): not inside a
+    # grouped number, whose every group would otherwise be a start reading to the number's end
+    Rule("percent", None, "percentages",
+         _anchored(r"(?<![\w.])(?<!\d,)(?=-?\d)", r"(?<![\w.])(?P<n>-?" + _NUMBER + r"(?:\.\d+)?)\s?%", 3, _NUMBER_RUN),
          lambda m, lang: lang.percent(m.group("n"))),
     Rule("unit", "unit_normalization", "units after a number, by name (pint's units: 10KB, 5 km/h, -5°C)",
-         _regex(r"(?<![\w.,])(?P<n>-?" + _NUMBER + r"(?:\.\d+)?)(?P<gap>\s?)"
-                r"(?P<unit>°[CF]|[A-Za-zµ]+(?:/[A-Za-z]+)?)\b"), _say_unit),
-    Rule("ordinal", None, "English ordinals (21st)", _regex(r"\b(?P<n>\d+)(?:st|nd|rd|th)\b"),
+         _anchored(r"(?<![\w.,])(?=-?\d)", r"(?<![\w.,])(?P<n>-?" + _NUMBER + r"(?:\.\d+)?)(?P<gap>\s?)"
+                   r"(?P<unit>°[CF]|[A-Za-zµ]+(?:/[A-Za-z]+)?)\b", 2,
+                   _NUMBER_RUN + r"\s?(?:°[CF]?|[A-Za-zµ]*+(?:/[A-Za-z]*+)?)"), _say_unit),
+    Rule("ordinal", None, "English ordinals (21st)",
+         _anchored(r"\b(?=\d)", r"\b(?P<n>\d+)(?:st|nd|rd|th)\b", 3, r"\d*+"),
          lambda m, lang: lang.ordinal(m.group("n")) if lang.code == "en" else None),
     Rule("number", None, "numbers, with thousands separators, decimals and a minus sign (over 15 digits: digit by digit)",
-         _regex(r"(?<![\w.,])(?P<n>-?" + _NUMBER + r"(?:\.\d+)?)(?![\d]|[.,]\d)"),
-         lambda m, lang: lang.number(m.group("n"))),
+         _anchored(r"(?<![\w.,])(?=-?\d)", r"(?<![\w.,])(?P<n>-?" + _NUMBER + r"(?:\.\d+)?)(?![\d]|[.,]\d)", 3,
+                   _NUMBER_RUN), lambda m, lang: lang.number(m.group("n"))),
     Rule("plural", "optional_pluralization_normalization", "an optional plural: word(s) -> words",
-         _regex(r"(?<=\w)\(s\)"), lambda m, lang: "s", pad=False),
+         _anchored(r"(?<=\w)(?=\(s\))", r"\(s\)", 3), lambda m, lang: "s", pad=False),
     Rule("symbol", "replace_remaining_symbols", "the symbols & + = @ # ~ by name",
-         _regex(r"[&+=@#~]"), lambda m, lang: lang.symbols[m.group(0)]),
+         _anchored(r"(?=[&+=@#~])", r"[&+=@#~]", 1), lambda m, lang: lang.symbols[m.group(0)]),
 )

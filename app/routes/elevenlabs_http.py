@@ -244,7 +244,7 @@ async def _speak(voice_id: str, request: Request, timestamps: str | None):
         seed = next((s for s in (body.seed, query_seed, service.settings.elevenlabs_seed) if s is not None), None)
         utterance = await aprepare_utterance(service, body.text, voice, SamplingFields(
             seed=seed, greedy=service.settings.elevenlabs_greedy or None), param="text",
-            normalization_options=NORMALIZATION[body.apply_text_normalization])
+            normalization_options=NORMALIZATION[body.apply_text_normalization], disconnected=request.is_disconnected)
         encoder = fmt.encoder(service.model.codec.sample_rate)
         try:
             handle = await utterance.start(service, AsyncSink(), arrived=request.state.started)

@@ -67,7 +67,8 @@ async def start_speech(body: SpeechRequest, request: Request, transport: str,
     utterance = await aprepare_utterance(service, body.input, voice, SamplingFields(
         seed=body.seed, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
         repetition_penalty=body.repetition_penalty, repetition_window=body.repetition_window, greedy=body.greedy),
-        body.max_frames, body.allow_special_tokens, normalization_options=body.normalization_options)
+        body.max_frames, body.allow_special_tokens, normalization_options=body.normalization_options,
+        disconnected=request.is_disconnected)
     try:
         encoder = StreamEncoder(body.response_format, service.model.codec.sample_rate, body.speed,
                                 out_rate=body.sample_rate)

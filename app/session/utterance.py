@@ -3,10 +3,13 @@
 
 from __future__ import annotations
 
+import asyncio
+import threading
 from dataclasses import dataclass
+from typing import Awaitable, Callable
 
+import anyio.to_thread
 import numpy as np
-from starlette.concurrency import run_in_threadpool
 
 from engine.errors import ContextLimitError, InputError, TextTooLongError
 from engine.generate import utterance_ids
@@ -15,8 +18,11 @@ from engine.sampling import SamplingParams
 
 from ..elevenlabs.alignment import Aligner
 from ..errors import ApiError
-from ..normalize import OFF, Normalized, Switches, normalize
+from ..normalize import OFF, BudgetExceeded, Normalized, Switches, Work, normalize
 from ..normalize.alignment import SentAligner
+from .policy import speakable
+
+DISCONNECT_POLL_S = 0.1             # how often a normalizing request looks whether its client is still there
 
 
 @dataclass(frozen=True)
@@ -56,30 +62,58 @@ def normalization(service, switches: Switches | None) -> Switches:
 
 
 async def aprepare_utterance(service, text: str, *args, normalization_options: Switches | None = None,
-                             **kwargs) -> Utterance:
+                             disconnected: Callable[[], Awaitable[bool]] | None = None, **kwargs) -> Utterance:
     """:func:`prepare_utterance` on the event loop: when the text is to be normalized, in a worker thread (a
-    text of 4096 characters of numbers takes a second or two to say in words, and must not hold the loop)."""
-    if normalization(service, normalization_options).normalize:
-        return await run_in_threadpool(prepare_utterance, service, text, *args,
-                                       normalization_options=normalization_options, **kwargs)
-    return prepare_utterance(service, text, *args, normalization_options=normalization_options, **kwargs)
+    text of 100,000 characters of numbers takes a second or two to say in words, and must not hold the loop),
+    after the checks that cost nothing (empty, over ``--max-input-chars``) have refused it on the loop. The
+    worker stops (``normalize``'s ``Work.cancel``) when this task is cancelled or ``disconnected()`` says the
+    client left (then this raises ``asyncio.CancelledError``)."""
+    if not normalization(service, normalization_options).normalize:
+        return prepare_utterance(service, text, *args, normalization_options=normalization_options, **kwargs)
+    _check_text(service, text, kwargs.get("param", "input"))
+    cancel = threading.Event()
+    job = asyncio.ensure_future(anyio.to_thread.run_sync(
+        lambda: prepare_utterance(service, text, *args, normalization_options=normalization_options,
+                                  cancel=cancel, **kwargs), abandon_on_cancel=True))
+    try:
+        while True:
+            done, _ = await asyncio.wait({job}, timeout=DISCONNECT_POLL_S if disconnected else None)
+            if done:
+                return job.result()
+            if await disconnected():
+                raise asyncio.CancelledError("the client left while its text was normalized")
+    finally:
+        cancel.set()                 # the worker stops at its next window; a finished one is not affected
+        if not job.done():
+            job.cancel()
+
+
+def _check_text(service, text: str, param: str) -> None:
+    """What is refused before any other work: not ready, nothing to speak (whitespace, NBSP, zero-width
+    characters alone, as on every transport), over ``--max-input-chars`` (before normalizing: bounds its work)."""
+    service.require_ready()
+    if not isinstance(text, str) or not speakable(text):
+        raise ApiError("empty_input", f"{param} is empty", param)
+    try:
+        service.limits.check_text_chars(text)
+    except TextTooLongError as e:
+        raise ApiError("input_too_long", str(e), param) from None
 
 
 def prepare_utterance(service, text: str, voice: np.ndarray | None, sampling, max_frames: int | None = None,
                       allow_special_tokens: bool = False, param: str = "input",
-                      normalization_options: Switches | None = None) -> Utterance:
+                      normalization_options: Switches | None = None,
+                      cancel: threading.Event | None = None) -> Utterance:
     """The checked utterance, or the catalogue's error naming ``param``: ``empty_input``, ``input_too_long``
     (it cannot be spoken whole within a stream's context and frame limit), ``invalid_value``. ``voice`` is
     already resolved (its codes); ``sampling`` a :class:`~app.service.SamplingFields`; the text is normalized
-    (:mod:`app.normalize`) as ``normalization_options`` say, else as the server's default."""
-    service.require_ready()
-    if not isinstance(text, str) or not text.strip():
-        raise ApiError("empty_input", f"{param} is empty", param)
+    (:mod:`app.normalize`) as ``normalization_options`` say, else as the server's default, within its work
+    budget (``Work.budget_for``: over it, ``input_too_long``); ``cancel`` set stops it (``Cancelled``)."""
+    _check_text(service, text, param)
     try:
-        service.limits.check_text_chars(text)            # before normalizing: bounds its work
-    except TextTooLongError as e:
-        raise ApiError("input_too_long", str(e), param) from None
-    normalized = normalize(text, normalization(service, normalization_options))
+        normalized = normalize(text, normalization(service, normalization_options), Work.budget_for(text, cancel))
+    except BudgetExceeded as e:
+        raise ApiError("input_too_long", f"{e}; send less text or turn normalization off", param) from None
     params = service.sampling(sampling)
     try:
         max_frames = service.limits.check_max_frames(max_frames)
