@@ -144,6 +144,10 @@ expect_refused "a string for gpu.enabled (values.schema.json)" --set-string gpu.
 expect_refused "a boolean for server.cudaGraphs (values.schema.json)" --set server.cudaGraphs=true
 # a unit string would render as 0 through int64: the schema takes bytes as an integer only
 expect_refused "a string for server.parkedContextBytes (values.schema.json)" --set-string server.parkedContextBytes=8Gi
+# keys and Wyoming on 0.0.0.0 without saying so: the server would refuse to start (docs/wyoming.md)
+expect_refused "wyoming.enabled with apiKeys and no wyoming.allowKeylessRemote" --set wyoming.enabled=true \
+    --set 'apiKeys={sk-one-12345}'
+expect_refused "an unknown wyoming.voices (values.schema.json)" --set wyoming.voices=uploaded
 
 # ---------------------------------------------------------------- render checks
 log "render checks ($PYTHON)"

@@ -119,8 +119,8 @@ CATALOGUE: dict[str, Row] = {
             invalid_request="ElevenLabs: a body or first message whose fields do not validate"),
     **_rows(429, LIMIT, "RESOURCE_EXHAUSTED",
             no_capacity="no stream slot freed within --queue-timeout (Retry-After: 1)",
-            too_many_sessions="--ws-max-sessions WebSocket sessions are open: the socket is closed at once "
-                              "(Retry-After: 1)",
+            too_many_sessions="--ws-max-sessions WebSocket sessions (or, on Wyoming, --wyoming-max-sessions "
+                              "connections) are open: the socket is closed at once (Retry-After: 1)",
             context_evicted="our WebSocket, not fatal: the session's parked context was dropped "
                             "(MOSSRT_PARKED_CONTEXT_BYTES); this turn starts on a fresh context"),
     **_rows(431, BAD, "INVALID_ARGUMENT",

@@ -6,12 +6,13 @@ it with :func:`settings_table`) are all derived from this class.
 
 from __future__ import annotations
 
+import ipaddress
 import typing
 from pathlib import Path
 from typing import Literal
 from urllib.parse import urlsplit
 
-from pydantic import Field, field_validator
+from pydantic import Field, ValidationInfo, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 from typing_extensions import Annotated
 
@@ -24,6 +25,21 @@ ENV_PREFIX = "MOSSRT_"
 SERVER_MAX_CONTEXT_ROWS = 4096
 # the lists a client may be let read without a key (Open WebUI lists voices and models without sending one)
 KEYLESS_ROUTE_CHOICES = ("/v1/models", "/v1/audio/models", "/v1/audio/voices", "/v1/voices", "/v2/voices")
+
+
+def wyoming_uri_is_local(uri: str) -> bool:
+    """Whether a Wyoming URI is reachable from this host only: ``unix://`` (file permissions), or TCP on a loopback
+    address or ``localhost``. Any other host name counts as remote: what it resolves to is not known here."""
+    parts = urlsplit(uri)
+    if parts.scheme == "unix":
+        return True
+    host = parts.hostname or ""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def _split(value):
@@ -52,8 +68,9 @@ class ServerSettings(BaseSettings):
     host: str = setting("127.0.0.1", "bind address (containers use 0.0.0.0)")
     port: int = setting(8000, "bind port", ge=1, le=65535)
     wyoming_uri: str | None = setting(None, "also serve the Wyoming protocol (Home Assistant) at tcp://HOST:PORT "
-                                           "or unix://PATH, in the same process; no authentication (unset: "
-                                           "off)", metavar="URI")
+                                           "or unix://PATH, in the same process; no authentication: with API keys "
+                                           "set, a TCP address off loopback needs --wyoming-allow-keyless-remote "
+                                           "(unset: off)", metavar="URI")
     device: Literal["auto", "cpu", "cuda"] = setting("auto", "onnxruntime provider (auto: CUDA when every node "
                                                              "of the bundle runs there)")
     threads: int = setting(0, "intra-op threads (0: all cores)", ge=0, le=256)
@@ -131,11 +148,24 @@ class ServerSettings(BaseSettings):
     ws_max_buffered_chars: int = setting(8192, "text received but not yet spoken, per socket", ge=16,
                                          le=1_000_000)
     ws_max_turns: int = setting(200, "turns of one socket", ge=1, le=100_000)
-    ws_max_sessions: int = setting(1000, "open WebSocket sessions (ours and the ElevenLabs ones) and Wyoming "
-                                         "connections together per server: an idle one holds no slot, so this "
-                                         "bounds them; more are refused (too_many_sessions)", ge=1, le=1_000_000)
+    ws_max_sessions: int = setting(1000, "open WebSocket sessions (ours and the ElevenLabs ones) per server: an "
+                                         "idle one holds no slot, so this bounds them; more are refused "
+                                         "(too_many_sessions)", ge=1, le=1_000_000)
     ws_max_contexts: int = setting(5, "open contexts of one ElevenLabs multi-context socket (ElevenLabs allows "
                                       "5)", ge=1, le=1000)
+    # the Wyoming listener: its protocol has no keys, so what its peers reach is bounded apart (docs/wyoming.md)
+    wyoming_max_sessions: int = setting(64, "open Wyoming connections per server, counted apart from "
+                                            "--ws-max-sessions (keyless peers cannot take the sessions keyed "
+                                            "clients need); more are refused (too_many_sessions)", ge=1,
+                                        le=1_000_000)
+    wyoming_voices: Literal["builtin", "all"] | None = setting(None, "voices Wyoming lists and speaks: builtin "
+                                                                     "(default and OpenAI's names) or all (the "
+                                                                     "uploaded ones too; unset: builtin when API "
+                                                                     "keys are set, else all)")
+    wyoming_allow_keyless_remote: Literal["off", "on"] = setting("off", "with API keys set, let --wyoming-uri bind a "
+                                                                        "TCP address off loopback: every peer that "
+                                                                        "reaches it may speak, without a key",
+                                                                 validate_default=True)
     # ElevenLabs-compatible routes: their clients send no sampling settings (a seed only as a query parameter)
     elevenlabs_seed: int | None = setting(None, "seed of an ElevenLabs request that names none", ge=0, lt=2**32)
     elevenlabs_greedy: bool = setting(False, "greedy decoding on the ElevenLabs routes (reproducible)",
@@ -161,6 +191,23 @@ class ServerSettings(BaseSettings):
         if parts.scheme == "unix" and parts.path:
             return uri
         raise ValueError("a Wyoming URI is tcp://HOST:PORT or unix://PATH")
+
+    @field_validator("wyoming_allow_keyless_remote")
+    @classmethod
+    def _wyoming_exposure(cls, allow: str, info: ValidationInfo) -> str:
+        # declared after api_keys and wyoming_uri: both are validated by now (absent here when they failed)
+        uri, keys = info.data.get("wyoming_uri"), info.data.get("api_keys")
+        if allow == "off" and keys and uri and not wyoming_uri_is_local(uri):
+            raise ValueError(f"API keys are set, and --wyoming-uri {uri} is not a loopback address: Wyoming has no "
+                             "authentication, so every peer that reaches the port could list and speak voices "
+                             "without a key. Bind tcp://127.0.0.1:PORT or unix://PATH, or allow it with "
+                             "--wyoming-allow-keyless-remote on (docs/wyoming.md)")
+        return allow
+
+    def wyoming_uploaded_voices(self) -> bool:
+        """Whether Wyoming lists and speaks uploaded voices (``--wyoming-voices``; unset: only without keys,
+        since the keys keep them, their names and their timbre, from keyless clients)."""
+        return self.wyoming_voices == "all" if self.wyoming_voices is not None else not self.api_keys
 
     @field_validator("api_keys")
     @classmethod

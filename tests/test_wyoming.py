@@ -21,12 +21,14 @@ RATE = 24000
 FRAME_BYTES = 2 * 1920           # one 80 ms frame of s16le at 24 kHz
 TEXT = "Hello from the kitchen."
 IDLE_S = 6
+BUFFERED_CHARS = 2000            # --ws-max-buffered-chars of the module's server
 
 
 @pytest.fixture(scope="module")
 def server(demo_bundle_dir, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("wyoming")
-    env = {"MOSSRT_WS_IDLE_TIMEOUT": str(IDLE_S), "MOSSRT_WS_MAX_TURNS": "2"}
+    env = {"MOSSRT_WS_IDLE_TIMEOUT": str(IDLE_S), "MOSSRT_WS_MAX_TURNS": "2",
+           "MOSSRT_WS_MAX_BUFFERED_CHARS": str(BUFFERED_CHARS)}
     with Server(demo_bundle_dir, tmp / "v", tmp / "s.log", "--max-streams", "2", "--queue-timeout", "0",
                 env=env, wyoming=True) as s:
         yield s
@@ -140,6 +142,70 @@ def test_streaming_synthesis_speaks_text_as_it_arrives(server):
     assert requests_counted(server).get(("wyoming", "200"), 0) == before + 1
 
 
+@pytest.mark.parametrize("chunks", [[], [" ", "\u00a0", "\u200b"]], ids=["no-chunk", "unspeakable-chunks"])
+def test_streaming_synthesis_without_chunks_speaks_the_whole_text(server, chunks):
+    """``synthesize-start``, the whole text as ``synthesize``, ``synthesize-stop``, and no chunk with anything
+    to speak (the protocol allows a streaming client to send none): the ``synthesize`` is the text, spoken once,
+    in one audio-start .. audio-stop, then synthesize-stopped."""
+    from wyoming.tts import Synthesize, SynthesizeChunk, SynthesizeStart, SynthesizeStop
+
+    before = requests_counted(server).get(("wyoming", "200"), 0)
+
+    async def stream():
+        async with client(server) as c:
+            await c.write_event(SynthesizeStart().event())
+            for chunk in chunks:
+                await c.write_event(SynthesizeChunk(text=chunk).event())
+            await c.write_event(Synthesize(text=TEXT).event())
+            await c.write_event(SynthesizeStop().event())
+            return await until(c, ("synthesize-stopped", "error"))
+
+    events = asyncio.run(stream())
+    types = [e.type for e in events]
+    assert types[0] == "audio-start" and types[-2:] == ["audio-stop", "synthesize-stopped"], types
+    assert set(types[1:-2]) == {"audio-chunk"}, types
+    audio = audio_of(events)
+    assert audio and len(audio) % FRAME_BYTES == 0, len(audio)
+    wait_for(lambda: requests_counted(server).get(("wyoming", "200"), 0) == before + 1, 10, "one request counted")
+
+
+@pytest.mark.parametrize("text", [" ", "\u00a0", "\u200b", " \u200b\ufeff "])
+def test_a_whole_text_with_nothing_to_speak_is_refused(server, text):
+    """Whitespace, a no-break space, a zero-width space: a ``synthesize`` with nothing to speak is refused
+    (``empty_input``), as over HTTP, before it takes a slot."""
+    from wyoming.tts import Synthesize
+
+    async def refused():
+        async with client(server) as c:
+            await c.write_event(Synthesize(text=text).event())
+            return [(e.type, e.data.get("code")) for e in await until(c, ())]
+
+    assert asyncio.run(refused()) == [("error", "empty_input")]
+
+
+def test_streamed_chunks_are_bounded_in_characters(server):
+    """``--ws-max-buffered-chars`` counts characters of chunks received and not yet read by the model, as on
+    the WebSocket, not the token ids they commit to: 10,000 characters of " understanding" (about 700 ids, 14
+    characters each) are refused with ``text_buffer_full`` once 2,000 wait. The ``ping`` after the chunks is
+    answered only when every chunk was taken."""
+    from wyoming.ping import Ping
+    from wyoming.tts import SynthesizeChunk, SynthesizeStart
+
+    chunk = " understanding" * 71                  # 994 characters
+    assert len(chunk) * 10 > 4 * BUFFERED_CHARS
+
+    async def stream():
+        async with client(server) as c:
+            await c.write_event(SynthesizeStart().event())
+            for _ in range(10):
+                await c.write_event(SynthesizeChunk(text=chunk).event())
+            await c.write_event(Ping(text="after the chunks").event())
+            return [(e.type, e.data.get("code")) for e in await until(c, ("pong", "error"))]
+
+    got = asyncio.run(stream())
+    assert got[-1] == ("error", "text_buffer_full"), got
+
+
 @pytest.mark.parametrize("streaming", [False, True])
 def test_a_voice_that_does_not_exist_is_an_error_event(server, streaming):
     from wyoming.tts import Synthesize, SynthesizeStart, SynthesizeVoice
@@ -242,9 +308,10 @@ def test_a_uri_that_is_not_tcp_or_unix_stops_the_start():
     assert proc.returncode != 0 and "--wyoming-uri" in proc.stderr and "tcp://HOST:PORT" in proc.stderr, proc.stderr
 
 
-def test_connections_count_toward_the_session_bound(demo_bundle_dir, tmp_path):
-    """Wyoming connections are sessions like WebSocket ones (--ws-max-sessions): one past the bound gets
-    ``too_many_sessions``; once one closes, a new one is served."""
+def test_connections_count_toward_their_own_session_bound(demo_bundle_dir, tmp_path):
+    """Wyoming connections have their own bound (--wyoming-max-sessions): one past it gets
+    ``too_many_sessions``; once one closes, a new one is served. They do not count toward --ws-max-sessions
+    (test_wyoming_exposure.py)."""
     from wyoming.info import Describe
 
     async def sessions():
@@ -272,7 +339,7 @@ def test_connections_count_toward_the_session_bound(demo_bundle_dir, tmp_path):
             await c.disconnect()
         return refused, got
 
-    with Server(demo_bundle_dir, tmp_path / "v", tmp_path / "s.log", env={"MOSSRT_WS_MAX_SESSIONS": "2"},
+    with Server(demo_bundle_dir, tmp_path / "v", tmp_path / "s.log", env={"MOSSRT_WYOMING_MAX_SESSIONS": "2"},
                 wyoming=True) as s:
         refused, served = asyncio.run(sessions())
     assert refused == [("error", "too_many_sessions")]

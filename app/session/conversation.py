@@ -5,7 +5,8 @@ then), admission (the queue timeout: at every turn, since between turns the stre
 slot given to a waiting stream, its KV rows kept on the host — and a parked stream takes a slot again at
 its next turn; one whose parked rows were evicted continues on a fresh stream,
 :attr:`Conversation.context_lost`), the turn lifecycle (begin, push text or ids, end the text, cancel,
-truncate), the text buffer bound, the turn limit and the text clock: an open turn that waits for text with
+truncate), the turn limit and the text clock (the text buffer bound is the transport's, in characters:
+:meth:`~app.session.policy.SessionPolicy.check_buffer`): an open turn that waits for text with
 nothing left to speak is due to have its text ended at :meth:`Conversation.text_deadline`. Only text that
 lets the turn go on moves that clock (text the tokenizer commits, or any text while the turn still has
 something to speak): an empty delta, or one that commits nothing while the turn waits, does not.
@@ -107,17 +108,9 @@ class Conversation:
             raise ApiError("response_ended", f"the response already ended ({reason}); this text was not spoken: "
                                              "wait for the end of the response, then send the next turn's text")
 
-    def check_buffer(self, incoming: int, elsewhere: int = 0) -> None:
-        """The text buffer bound: what the stream has not spoken yet, ``elsewhere`` (text of the session
-        waiting outside the stream, such as other contexts') and ``incoming`` together."""
-        s = self.handle.stream if self.handle is not None else None
-        waiting = elsewhere + (s.pending_text_chars + s.pending_text_ids if s is not None else 0)
-        if waiting + incoming > self.policy.max_buffered_chars:
-            raise ApiError("text_buffer_full", f"text buffer full: at most {self.policy.max_buffered_chars} characters "
-                                               "may wait to be spoken; send more once audio has caught up")
-
     def push_text(self, text: str) -> int:
-        """Text into the open turn (checked with :meth:`check_text` and :meth:`check_buffer` first)."""
+        """Text into the open turn (checked with :meth:`check_text` first, and held to the text buffer by the
+        transport: :meth:`SessionPolicy.check_buffer` over its :class:`~app.session.policy.TextLedger`)."""
         return self._progress(self.handle.push_text(text))
 
     def push_ids(self, ids) -> int:

@@ -5,12 +5,18 @@
   text limit, the stream's context and frame limit), then ``audio-start``, ``audio-chunk``s (s16le, 24 kHz,
   mono) as frames are generated, ``audio-stop``.
 - ``synthesize-start`` opens a :class:`~app.session.conversation.Conversation`'s turn (the queue timeout),
-  each ``synthesize-chunk`` is pushed into it as it arrives (the text buffer bound), ``synthesize-stop`` ends its
-  text; the audio goes out meanwhile, then ``audio-stop`` and ``synthesize-stopped``. The ``synthesize`` a
-  streaming client sends for backward compatibility (the whole text again) is not spoken twice.
+  each ``synthesize-chunk`` is pushed into it as it arrives (the text buffer bound, in characters: a
+  :class:`~app.session.policy.TextLedger`, as on the WebSocket), ``synthesize-stop`` ends its text; the audio
+  goes out meanwhile, then ``audio-stop`` and ``synthesize-stopped``. The ``synthesize`` a streaming client
+  sends for backward compatibility (the whole text again) is not spoken twice; it is the text when no chunk
+  brought any to speak (a client may stream nothing but it).
 - Deadlines of the receive wait: the open turn's text clock (no text it can speak for ``text_timeout``: its
   text is ended and it speaks what it has) and the idle timeout (no synthesis running and no event).
-- A connection is a session of ``--ws-max-sessions`` (WebSocket and Wyoming ones together).
+- A connection is a session of ``--wyoming-max-sessions``, counted apart from the WebSocket ones.
+- Trust (docs/wyoming.md): the protocol has no keys. With keys set, a peer here is held to what a keyless
+  client may have: the built-in voices only (unless ``--wyoming-voices all``), and its syntheses take free
+  slots only, never parking (so never evicting) another stream's context — a share of 0 of the parked
+  contexts keyed conversations hold.
 - Every write is bounded by ``stall_timeout``: a client that does not read loses its stream (counted) and its
   connection.
 - A refusal or failure is an ``error`` event (``text``, ``code`` of the catalogue), then the connection closes,
@@ -27,6 +33,7 @@ import logging
 import socket
 import time
 
+import numpy as np
 from starlette.concurrency import run_in_threadpool
 from wyoming.audio import AudioChunk, AudioStart, AudioStop
 from wyoming.error import Error
@@ -43,8 +50,9 @@ from ..audio_formats import StreamEncoder
 from ..errors import ApiError, from_engine
 from ..metrics import StreamMeter
 from ..protocol_bounds import SEND_BUFFER_BYTES
-from ..service import SamplingFields
+from ..service import DEFAULT_VOICE, OPENAI_VOICES, SamplingFields
 from ..session.conversation import Conversation
+from ..session.policy import speakable
 from ..session.pump import Audio, Ended, Failed, TurnAudio, pump
 from ..session.utterance import aprepare_utterance
 from ..session.wire import CLOSE_BOUND_S, TEXT_POLL_S, ClientStalled, FrameRefused, SessionEnd
@@ -57,11 +65,31 @@ PROTOCOL = "wyoming"          # the transport label of the meter and of mossrt_s
 ENDPOINT = "wyoming"          # mossrt_requests_total's endpoint: one per synthesis
 
 
+class SessionCount:
+    """The open connections of one listener, bounded by ``--wyoming-max-sessions`` apart from the WebSocket
+    sessions: keyless peers cannot take the sessions keyed clients need. Used on the event loop only."""
+
+    def __init__(self, bound: int):
+        self.bound, self.open = bound, 0
+
+    def claim(self) -> bool:
+        """One more open connection, unless ``bound`` are open (then False)."""
+        if self.open >= self.bound:
+            return False
+        self.open += 1
+        return True
+
+    def release(self) -> None:
+        self.open -= 1
+
+
 class Synthesis:
     """The running synthesis: its stream, its audio, and (streaming) its conversation."""
 
     def __init__(self, handle: StreamHandle, turn: TurnAudio, conversation: Conversation | None = None):
         self.handle, self.turn, self.conversation = handle, turn, conversation
+        self.spoke_chunks = False            # streaming: a chunk brought text to speak
+        self.took_whole_text = False         # streaming: no chunk did, and the synthesize copy was taken instead
         self.stop_received = False           # streaming: synthesize-stop arrived
         self.audio_ended = False             # audio-stop was sent
         self.task: asyncio.Task | None = None
@@ -93,10 +121,15 @@ def _parsed(kind, event: Event):
 
 
 class WyomingSession(AsyncEventHandler):
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, service, metrics, version: str):
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, service, metrics, version: str,
+                 sessions: SessionCount):
         super().__init__(reader, writer)
         self.service, self.metrics, self.version = service, metrics, version
         self.policy = service.policy
+        self.sessions = sessions
+        self.uploaded_voices = service.settings.wyoming_uploaded_voices()
+        # with keys set, a keyless synthesis never parks a keyed conversation's context (so never evicts one)
+        self.may_park_others = not self.policy.keys_required
         self.synthesis: Synthesis | None = None
         self.syntheses = 0
         self._write_lock = asyncio.Lock()
@@ -111,10 +144,10 @@ class WyomingSession(AsyncEventHandler):
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER_BYTES)   # as HTTP's: stalls show
         claimed = False
         try:
-            claimed = self.service.claim_session()      # counted with the WebSocket sessions (--ws-max-sessions)
+            claimed = self.sessions.claim()             # --wyoming-max-sessions, apart from the WebSocket ones
             if not claimed:
-                raise SessionEnd(ApiError("too_many_sessions", f"{self.service.settings.ws_max_sessions} sessions "
-                                                               "are open on this server; retry later"))
+                raise SessionEnd(ApiError("too_many_sessions", f"{self.sessions.bound} Wyoming connections are "
+                                                               "open on this server; retry later"))
             await self._loop()
         except SessionEnd as e:
             await self._end(e.error)
@@ -127,7 +160,7 @@ class WyomingSession(AsyncEventHandler):
             await self._end(ApiError("internal_error", f"internal error: {type(e).__name__}"))
         finally:
             if claimed:
-                self.service.release_session()
+                self.sessions.release()
             if self._reading is not None:
                 self._reading.cancel()
             if self.synthesis is not None:
@@ -143,7 +176,8 @@ class WyomingSession(AsyncEventHandler):
                 self._reading = asyncio.ensure_future(read_event(self.reader, self.policy.max_message_bytes))
             now = time.monotonic()
             deadline, what = self._next_deadline(now)
-            done, _ = await asyncio.wait({self._reading}, timeout=None if deadline is None else max(0.0, deadline - now))
+            timeout = None if deadline is None else max(0.0, deadline - now)
+            done, _ = await asyncio.wait({self._reading}, timeout=timeout)
             if self.closed:
                 return
             if not done:
@@ -188,13 +222,15 @@ class WyomingSession(AsyncEventHandler):
     async def handle_event(self, event: Event) -> bool:
         try:
             if Describe.is_type(event.type):
-                info = await run_in_threadpool(describe, self.service, self.version)
+                info = await run_in_threadpool(describe, self.service, self.version, self.uploaded_voices)
                 await self.write_event(info.event())
             elif Ping.is_type(event.type):
                 await self.write_event(Pong(text=_parsed(Ping, event).text).event())
             elif Synthesize.is_type(event.type):
                 msg = _parsed(Synthesize, event)
-                if self.synthesis is None or not self.synthesis.streaming:   # else a streaming client's copy
+                if self.synthesis is not None and self.synthesis.streaming:
+                    self._whole_text(msg.text)                              # a streaming client's copy
+                else:
                     await self._synthesize(msg)
             elif SynthesizeStart.is_type(event.type):
                 await self._start(_parsed(SynthesizeStart, event))
@@ -210,8 +246,14 @@ class WyomingSession(AsyncEventHandler):
             raise SessionEnd(err) from None
         return True
 
-    def _voice_key(self, voice) -> str | None:
-        return voice.name if voice is not None else None
+    async def _voice(self, voice) -> np.ndarray | None:
+        """A request's voice as prompt codes. Without ``--wyoming-voices all`` (with keys set, by default) only the
+        built-in names are taken: an uploaded voice's name is unknown here, whether or not it exists."""
+        key = voice.name if voice is not None else None
+        if not self.uploaded_voices and key is not None and key.lower() not in (DEFAULT_VOICE, *OPENAI_VOICES):
+            raise ApiError("voice_not_found", f"unknown voice {key!r}: this Wyoming listener speaks 'default' and "
+                                              "OpenAI's names (--wyoming-voices)", "voice")
+        return await run_in_threadpool(self.service.resolve_voice, key)
 
     def _begin(self) -> None:
         """A new synthesis may start: none runs, the connection's turn limit is not reached, the service is
@@ -230,11 +272,12 @@ class WyomingSession(AsyncEventHandler):
     async def _synthesize(self, msg: Synthesize) -> None:
         arrived = time.monotonic()
         self._begin()
-        voice = await run_in_threadpool(self.service.resolve_voice, self._voice_key(msg.voice))
+        voice = await self._voice(msg.voice)
         utterance = await aprepare_utterance(self.service, msg.text, voice, SamplingFields(), param="text")
         turn = self._turn_audio()
         try:
-            handle = await utterance.start(self.service, AsyncSink(), arrived=arrived)
+            handle = await utterance.start(self.service, AsyncSink(), arrived=arrived,
+                                           may_park_others=self.may_park_others)
         except BaseException:
             turn.close()
             raise
@@ -242,8 +285,8 @@ class WyomingSession(AsyncEventHandler):
 
     async def _start(self, msg: SynthesizeStart) -> None:
         self._begin()
-        voice = await run_in_threadpool(self.service.resolve_voice, self._voice_key(msg.voice))
-        conversation = Conversation(self.service, self.policy, voice, None)
+        voice = await self._voice(msg.voice)
+        conversation = Conversation(self.service, self.policy, voice, None, may_park_others=self.may_park_others)
         turn = self._turn_audio()
         try:
             await conversation.begin_turn(self.service.sampling(SamplingFields()))
@@ -257,9 +300,29 @@ class WyomingSession(AsyncEventHandler):
         s = self.synthesis
         if s is None or not s.streaming or s.stop_received:
             raise ApiError("no_turn", "synthesize-chunk goes between synthesize-start and synthesize-stop")
+        if s.took_whole_text:
+            return                           # part of the whole text, already taken from the synthesize copy
+        self._push(s, text)
+        s.spoke_chunks = s.spoke_chunks or speakable(text)
+
+    def _whole_text(self, text: str) -> None:
+        """The ``synthesize`` of a streaming client (between its chunks and ``synthesize-stop``): the whole text
+        again, for servers that do not stream. A copy when a chunk brought text to speak; else the text itself
+        (a client may send no chunk at all), taken at once so that it is spoken without waiting for the stop."""
+        s = self.synthesis
+        if s.stop_received or s.spoke_chunks or s.took_whole_text or not speakable(text):
+            return
+        self._push(s, text)
+        s.took_whole_text = True
+
+    def _push(self, s: Synthesis, text: str) -> None:
+        """Text into the open turn, held to the text buffer in characters (``--ws-max-buffered-chars``, the
+        WebSocket's :class:`~app.session.policy.TextLedger` measure: not the token ids the text commits to).
+        Whitespace within the turn is text (it separates words), counted like any."""
         Conversation.check_text(text)
         s.conversation.check_takes_text()
-        s.conversation.check_buffer(len(text))
+        self.policy.check_buffer(s.turn.text.unspoken(s.handle.stream), len(text))
+        s.turn.text.took(len(text))
         s.conversation.push_text(text)
 
     async def _stop(self) -> None:

@@ -202,6 +202,17 @@ def check_manifests(c: Checker, docs: list[dict], v: dict, chart: dict) -> list[
     c.eq([p for p in ports if p.get("name") == "wyoming"], want_port, "container port wyoming")
     c.eq(env_value(main, "MOSSRT_WYOMING_URI"),
          f"tcp://{v['server']['host']}:{wyoming['port']}" if wyoming["enabled"] else None, "env MOSSRT_WYOMING_URI")
+    # its trust (docs/wyoming.md): each variable only with Wyoming on and its value set, else the server's default
+    on = wyoming["enabled"]
+    c.eq(env_value(main, "MOSSRT_WYOMING_ALLOW_KEYLESS_REMOTE"), "on" if on and wyoming.get("allowKeylessRemote")
+         else None, "env MOSSRT_WYOMING_ALLOW_KEYLESS_REMOTE")
+    c.eq(env_value(main, "MOSSRT_WYOMING_MAX_SESSIONS"), str(int(wyoming["maxSessions"]))
+         if on and wyoming.get("maxSessions") is not None else None, "env MOSSRT_WYOMING_MAX_SESSIONS")
+    c.eq(env_value(main, "MOSSRT_WYOMING_VOICES"), (wyoming.get("voices") or None) if on else None,
+         "env MOSSRT_WYOMING_VOICES")
+    keyed = bool(v.get("apiKeys") or v.get("existingSecret"))
+    c.ok(not (on and keyed and v["server"]["host"] not in ("127.0.0.1", "localhost", "::1"))
+         or wyoming.get("allowKeylessRemote"), "a keyed pod serves Wyoming off loopback without allowKeylessRemote")
     (svc,) = [d for d in by_kind(docs, "Service") if d["metadata"]["name"] == fullname]
     want_svc = [{"name": "wyoming", "port": wyoming["port"], "targetPort": "wyoming", "protocol": "TCP"}] \
         if wyoming["enabled"] else []
@@ -550,6 +561,7 @@ PURPOSE = {
     "default": {"gpu.enabled": False, "ingress.enabled": False, "httpRoute.enabled": False,
                 "autoscaling.enabled": False, "export.enabled": True, "wyoming.enabled": False},
     "cpu-values": {"gpu.enabled": False, "server.device": "", "wyoming.enabled": True,
+                   "wyoming.allowKeylessRemote": True, "wyoming.maxSessions": 16,
                    "server.parkedContextBytes": 2147483648, "server.wsMaxSessions": 200},
     "gpu-values": {"gpu.enabled": True},
     "ingress-values": {"ingress.enabled": True, "ingress.nginx": True},

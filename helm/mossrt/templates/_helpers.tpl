@@ -148,6 +148,9 @@ Validation of mutually exclusive or mandatory values; included from the Deployme
 {{- if lt (float64 .Values.terminationGracePeriodSeconds) $drain }}
 {{- fail (printf "terminationGracePeriodSeconds (%v) is shorter than preStopSleepSeconds + max(server.drainTimeout, server.shutdownDelay) + 3 s of flush (%v): the pod would be killed while draining" .Values.terminationGracePeriodSeconds $drain) }}
 {{- end }}
+{{- if and .Values.wyoming.enabled (or .Values.apiKeys .Values.existingSecret) (not .Values.wyoming.allowKeylessRemote) (not (has .Values.server.host (list "127.0.0.1" "localhost" "::1"))) }}
+{{- fail (printf "wyoming.enabled with API keys serves Wyoming, which has no authentication, on %s: set wyoming.allowKeylessRemote: true to say so (a keyless peer then reaches the built-in voices, free slots and wyoming.maxSessions connections; docs/wyoming.md)" .Values.server.host) }}
+{{- end }}
 {{- if not (hasPrefix (trimSuffix "/" .Values.dataPath | printf "%s/") (printf "%s/" .Values.voicesPath)) }}
 {{- fail "voicesPath must lie under dataPath (the voices persist on the data volume)" }}
 {{- end }}
