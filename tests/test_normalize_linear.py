@@ -154,3 +154,33 @@ def test_normalization_stops_when_the_client_leaves(monkeypatch, how):
     asyncio.run(main())
     assert stopped.wait(30) and "finished" not in seen
     assert seen["examined"] <= 2 * N            # stopped at its first check (after the one scan for letters)
+
+
+def test_normalizations_run_one_at_a_time(monkeypatch):
+    """Normalizing holds the interpreter lock, so requests normalize one at a time (the others wait on the
+    loop): each call here waits for a second one to be inside at once, which never comes."""
+    import app.session.utterance as utterance
+
+    inside, most, crowd = [0], [0], threading.Condition()
+
+    class Done(Exception):
+        pass
+
+    def normalize_counting(text, switches, work):
+        with crowd:
+            inside[0] += 1
+            most[0] = max(most[0], inside[0])
+            crowd.notify_all()
+            crowd.wait_for(lambda: inside[0] >= 2, timeout=1)   # a second one inside, if the gate let it in
+            inside[0] -= 1
+        raise Done
+
+    monkeypatch.setattr(utterance, "normalize", normalize_counting)
+
+    async def main():
+        return await asyncio.gather(*(utterance.aprepare_utterance(_service(), "$1 a", None, None)
+                                      for _ in range(3)), return_exceptions=True)
+
+    results = asyncio.run(main())
+    assert all(isinstance(r, Done) for r in results), results
+    assert most[0] == 1, f"{most[0]} normalizations at once"

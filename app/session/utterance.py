@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import weakref
 from dataclasses import dataclass
 from typing import Awaitable, Callable
 
@@ -23,6 +24,20 @@ from ..normalize.alignment import SentAligner
 from .policy import speakable
 
 DISCONNECT_POLL_S = 0.1             # how often a normalizing request looks whether its client is still there
+# Normalizing is Python that holds the interpreter lock: one worker at a time already uses all the CPU a process
+# can give it, and each more only makes the event loop wait longer for the lock (its /health and every stream's
+# frames). Requests past it wait on the loop, holding no thread (docs/normalization.md has the figures).
+NORMALIZERS_AT_ONCE = 1
+_gates: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Semaphore] = weakref.WeakKeyDictionary()
+
+
+def _normalizer_gate() -> asyncio.Semaphore:
+    """The running loop's limit of normalizations at once (a loop's own: asyncio primitives are bound to one)."""
+    loop = asyncio.get_running_loop()
+    gate = _gates.get(loop)
+    if gate is None:
+        gate = _gates[loop] = asyncio.Semaphore(NORMALIZERS_AT_ONCE)
+    return gate
 
 
 @dataclass(frozen=True)
@@ -72,9 +87,13 @@ async def aprepare_utterance(service, text: str, *args, normalization_options: S
         return prepare_utterance(service, text, *args, normalization_options=normalization_options, **kwargs)
     _check_text(service, text, kwargs.get("param", "input"))
     cancel = threading.Event()
-    job = asyncio.ensure_future(anyio.to_thread.run_sync(
-        lambda: prepare_utterance(service, text, *args, normalization_options=normalization_options,
-                                  cancel=cancel, **kwargs), abandon_on_cancel=True))
+
+    async def normalized() -> Utterance:
+        async with _normalizer_gate():
+            return await anyio.to_thread.run_sync(
+                lambda: prepare_utterance(service, text, *args, normalization_options=normalization_options,
+                                          cancel=cancel, **kwargs), abandon_on_cancel=True)
+    job = asyncio.ensure_future(normalized())
     try:
         while True:
             done, _ = await asyncio.wait({job}, timeout=DISCONNECT_POLL_S if disconnected else None)
