@@ -127,8 +127,9 @@ def our_flags() -> set[str]:
         from wheelhouse.cli import _parser as wheelhouse_parser
     finally:
         sys.path.remove(str(ROOT / "scripts"))
-    check = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu-check"), "--help"], capture_output=True,
-                           text=True, timeout=60, check=True).stdout
+    check = "".join(subprocess.run([sys.executable, str(ROOT / "scripts" / script), "--help"], capture_output=True,
+                                   text=True, timeout=60, check=True).stdout
+                    for script in ("gpu-check", "normalization-storm"))
     return (_options(build_parser()) | _options(loadtest_parser()) | _options(wheelhouse_parser())
             | _options(codec_agreement_parser())
             | set(FLAG.findall(check)))
