@@ -14,13 +14,16 @@ from .plan import DEFAULT_TRANSFER_MIB, travelling_bytes
 from .resolve import HostPackage, Resolution, Target, canonical, download, resolve
 
 ONNXRUNTIME_DISTS = {"onnxruntime-gpu": "CUDAExecutionProvider", "onnxruntime": "CPUExecutionProvider"}
-# the manifest travels with the first part, and the repository may grow a little before the parts are sent
+# the manifest travels with the first part, and the repository may grow a little between the build and the
+# transfers (a session's commits: kilobytes; the parts are cut anew at each build, from the tree as it is then).
+# Each part's margin is room the archive cannot use: 3 x 1 MiB put the documented H200 archive in 4 transfers
+# once the tree reached 25.1 MiB
 MANIFEST_MARGIN = 64 << 10
-GROWTH_MARGIN = 1 << 20
+GROWTH_MARGIN = 256 << 10
 
 
 def auto_part_mib(repo: Path, transfer_mib: float = DEFAULT_TRANSFER_MIB) -> float:
-    """The largest part that travels beside the repository in one transfer, in MiB (one decimal), with 1 MiB
+    """The largest part that travels beside the repository in one transfer, in MiB (one decimal), with 256 KiB
     to spare for the repository's growth before the parts are sent (the plan says when it outgrew them)."""
     room = transfer_mib * MIB - travelling_bytes(repo) - MANIFEST_MARGIN - GROWTH_MARGIN
     if room < MIB:
