@@ -156,7 +156,7 @@ class StepRunner:
 
     def attach(self, stream: StreamState, rows: np.ndarray | None = None) -> int:
         """Give ``stream`` a slot; CapacityError when every slot is taken. ``rows``: its context's KV rows
-        (from :meth:`park`), copied back into the slot."""
+        (from :meth:`park_rows`), copied back into the slot."""
         if stream.limits.max_context_rows > self.max_context_rows:
             raise InputError(f"the stream allows {stream.limits.max_context_rows} context rows; this runner's "
                              f"slots hold {self.max_context_rows}")
@@ -204,12 +204,6 @@ class StepRunner:
         nothing (its slot is freed by :meth:`detach`). Between turns only: its codec stream starts afresh at
         its next turn anyway, and its sampling state is the stream's own."""
         return self.kv.park_rows(self._entry(stream).slot, self.park_row_count(stream))
-
-    def park(self, stream: StreamState) -> np.ndarray:
-        """:meth:`park_rows`, then the stream's slot freed (:meth:`detach`)."""
-        rows = self.park_rows(stream)
-        self.detach(stream)
-        return rows
 
     def take_lost(self) -> list[StreamState]:
         """Idle streams whose context a failed slot trade could not restore since the last call (their rows
