@@ -9,7 +9,7 @@ from typing import Annotated
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, StrictStr
 
 from engine.limits import HARD_MAX_FRAMES
-from engine.sampling import MAX_REPETITION_WINDOW, MAX_SEED, MAX_TOP_K
+from engine.model.sampling import MAX_REPETITION_WINDOW, MAX_SEED, MAX_TOP_K
 
 from .audio_formats import ENCODINGS, MAX_OUT_RATE, MAX_SPEED, MIN_OUT_RATE, MIN_SPEED
 from .normalize import Switches

@@ -10,7 +10,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 from starlette.concurrency import run_in_threadpool
 
-from engine.bundle import Bundle
+from engine.runtime.bundle import Bundle
 
 from . import errors
 from .errors import JsonCORSMiddleware

@@ -16,14 +16,15 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from engine.bundle import Bundle
+from engine.runtime.bundle import Bundle
 from engine.errors import EngineError, InputError, VoiceGoneError
 from engine.limits import Limits
-from engine.prefix import prefix_key
-from engine.sampling import SamplingParams
-from engine.scheduler import QueueSink, Scheduler, StreamError, StreamHandle, TurnEnd
-from engine.tts import TTSModel
-from engine.voices import VoiceRecord, VoiceRegistry, resolve_voice
+from engine.kv.prefix import prefix_key
+from engine.model.sampling import SamplingParams
+from engine.serving.scheduler import QueueSink, Scheduler, StreamError, StreamHandle, TurnEnd
+from engine.model.tts import TTSModel
+from app.voices import VoiceRecord, VoiceRegistry
+from engine.audio.voices import resolve_voice
 
 from .errors import ApiError
 from .normalize import warm as normalize_warm
@@ -38,7 +39,7 @@ MODEL_ALIASES = ("tts-1", "tts-1-hd", "gpt-4o-mini-tts")
 OPENAI_VOICES = ("alloy", "ash", "ballad", "coral", "echo", "fable", "onyx", "nova", "sage", "shimmer", "verse",
                  "marin", "cedar")
 DEFAULT_VOICE = "default"
-# Kokoro's voice mixing ("a+b", "a(0.5)+b(0.5)"): a name never has these (engine.voices.VOICE_NAME_PATTERN)
+# Kokoro's voice mixing ("a+b", "a(0.5)+b(0.5)"): a name never has these (app.voices.VOICE_NAME_PATTERN)
 VOICE_MIX = re.compile(r"[+()]")
 MAX_DEFAULT_SLOTS = 64
 WARM_TIMEOUT_S = 1800            # the bucket warm-up (every bucket's calls, CUDA-graph captures) at most

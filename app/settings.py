@@ -17,7 +17,7 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 from typing_extensions import Annotated
 
 from engine.limits import DEFAULT_MAX_TEXT_CHARS, Limits
-from engine.scheduler import DEFAULT_QUEUE_TIMEOUT
+from engine.serving.scheduler import DEFAULT_QUEUE_TIMEOUT
 
 ENV_PREFIX = "MOSSRT_"
 # the service's stream slots are smaller than the offline tools' (engine.limits.DEFAULT_MAX_CONTEXT_ROWS,

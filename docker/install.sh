@@ -14,7 +14,7 @@
 # onnxruntime-gpu's own extras (onnxruntime-gpu[cuda,cudnn] -> nvidia-* wheels), resolved together
 # with onnxruntime-gpu so their major versions always match the build of onnxruntime-gpu:
 #   MOSSRT_CUDA_MAJOR=13 (default)  the `cuda` extra's onnxruntime-gpu (1.31.1, the version whose kernel
-#                                   table engine/data holds for the placement check), CUDA 13 + cuDNN 9
+#                                   table engine/runtime/data holds for the placement check), CUDA 13 + cuDNN 9
 #                                   (host driver >= 580)
 #   MOSSRT_CUDA_MAJOR=12            onnxruntime-gpu <1.27, CUDA 12 + cuDNN 9 (host driver >= 525): for older
 #                                   drivers; the placement check still reads 1.31.1's table (not verified

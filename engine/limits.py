@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from .errors import ContextLimitError, InputError, TextTooLongError
+from engine.errors import ContextLimitError, InputError, TextTooLongError
 
 HARD_MAX_FRAMES = 3750              # 5 minutes of audio per turn
 MAX_CONTEXT_ROWS = 1 << 17          # no model context is longer (Qwen3: 32K; rows hold one id each)

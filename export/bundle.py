@@ -8,7 +8,7 @@ from pathlib import Path
 
 import onnx
 
-from engine.manifest import FORMAT, FORMAT_VERSION, sha256_file
+from engine.runtime.manifest import FORMAT, FORMAT_VERSION, sha256_file
 
 from . import EXPORTER_VERSION
 from .graph import GraphBuilder, value_info_summary

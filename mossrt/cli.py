@@ -13,7 +13,7 @@ import traceback
 
 from . import commands as c
 from engine.limits import DEFAULT_MAX_CONTEXT_ROWS, DEFAULT_MAX_TEXT_CHARS, HARD_MAX_FRAMES, MAX_CONTEXT_ROWS
-from engine.sampling import MAX_TOP_K
+from engine.model.sampling import MAX_TOP_K
 
 from .argtypes import any_int, finite_float, int_in
 from .doctor import CHECKS as DOCTOR_CHECKS

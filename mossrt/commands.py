@@ -31,7 +31,7 @@ def load_array(path, what: str) -> np.ndarray:
 
 def npy_output(path: str | Path, what: str) -> Path:
     """The path np.save will write (it appends .npy when missing), checked writable."""
-    from engine.audio_io import check_writable_file
+    from engine.audio.files import check_writable_file
 
     p = Path(path)
     if p.suffix != ".npy":
@@ -87,14 +87,14 @@ def cmd_export(args) -> None:
 
 
 def cmd_verify(args) -> None:
-    from engine.bundle import Bundle
+    from engine.runtime.bundle import Bundle
 
     bundle = Bundle(args.bundle, device=None)
     names = bundle.verify()
     total = sum(e.bytes for e in bundle.info.files.values())
     print(f"{args.bundle}: {len(names)} files, {total / 2**20:.1f} MiB, every sha256 matches the manifest "
           f"(bundle {bundle.identity})")
-    from engine.graph_stats import node_count_lines, node_counts
+    from engine.runtime.graph_stats import node_count_lines, node_counts
 
     print("graph nodes:")
     print("\n".join(node_count_lines(node_counts(bundle))))
@@ -104,7 +104,7 @@ def cmd_verify(args) -> None:
 
 def report_placement(bundle, provider: str) -> None:
     """``verify --provider``: every node without a kernel there (or a device→host copy); status 2 if any."""
-    from engine.kernel_table import kernel_table
+    from engine.runtime.kernel_table import kernel_table
 
     table = kernel_table(provider)
     findings = bundle.unplaced(provider)
@@ -120,8 +120,8 @@ def report_placement(bundle, provider: str) -> None:
 
 
 def load_model(args):
-    from engine.bundle import Bundle
-    from engine.tts import TTSModel
+    from engine.runtime.bundle import Bundle
+    from engine.model.tts import TTSModel
 
     bundle = Bundle(args.bundle, device=args.device, threads=args.threads, profile_dir=profile_dir(args),
                     shared_pool=True)
@@ -146,8 +146,8 @@ def warm_buckets_choice(args) -> bool | None:
 
 
 def load_codec(args):
-    from engine.bundle import Bundle
-    from engine.codec import Codec
+    from engine.runtime.bundle import Bundle
+    from engine.audio.codec import Codec
 
     return Codec(Bundle(args.bundle, device=args.device, threads=args.threads, profile_dir=profile_dir(args),
                         shared_pool=True))
@@ -175,7 +175,7 @@ def parse_schedule(text: str) -> list[int]:
 
 
 def cmd_codec_encode(args) -> None:
-    from engine.audio_io import read_audio
+    from engine.audio.files import read_audio
 
     out = npy_output(args.output, "output")
     wav, sr = read_audio(args.input)
@@ -186,8 +186,8 @@ def cmd_codec_encode(args) -> None:
 
 
 def cmd_codec_decode(args) -> None:
-    from engine.audio_io import audio_target, write_audio
-    from engine.codec import Codec
+    from engine.audio.files import audio_target, write_audio
+    from engine.audio.codec import Codec
 
     if args.chunk_frames is not None and args.schedule is not None:
         raise CliError("give either --chunk-frames or --schedule, not both")
@@ -211,9 +211,9 @@ def sampling(model, args):
 
 
 def cmd_synth(args) -> None:
-    from engine.audio_io import audio_target, write_audio
-    from engine.generate import generate, synthesize
-    from engine.voices import read_reference_audio, resolve_voice
+    from engine.audio.files import audio_target, write_audio
+    from engine.offline.generate import generate, synthesize
+    from engine.audio.voices import read_reference_audio, resolve_voice
 
     if args.voice and args.voice_codes:
         raise CliError("give --voice or --voice-codes, not both")
@@ -244,10 +244,10 @@ def cmd_synth(args) -> None:
 
 def cmd_replay(args) -> None:
     """Drive a whole streaming session from a JSON script; write each turn's codes and audio."""
-    from engine.audio_io import check_writable_file, write_audio
-    from engine.session import StreamingSession
-    from engine.turn import run_turn
-    from engine.voices import read_reference_audio, resolve_voice
+    from engine.audio.files import check_writable_file, write_audio
+    from engine.offline.session import StreamingSession
+    from engine.offline.turn import run_turn
+    from engine.audio.voices import read_reference_audio, resolve_voice
 
     from .replay import load_script
 
@@ -295,7 +295,7 @@ def report(result: dict, text: str, json_path: str | None, bundle=None) -> None:
     if json_path:
         Path(json_path).write_text(json.dumps(result, indent=1, default=str))
     if bundle is not None and bundle.profile_dir is not None:
-        from engine.bench import profile_summary
+        from engine.tools.bench import profile_summary
 
         files = bundle.end_profiling()
         print(profile_summary(files))
@@ -304,7 +304,7 @@ def report(result: dict, text: str, json_path: str | None, bundle=None) -> None:
 
 def run_bench(args, load, run, fmt) -> None:
     """Check ``--json`` first, load the bundle (with ``--profile``), run, print (and the profile)."""
-    from engine.audio_io import check_writable_file
+    from engine.audio.files import check_writable_file
 
     if args.json:
         check_writable_file(args.json, "--json")
@@ -314,21 +314,21 @@ def run_bench(args, load, run, fmt) -> None:
 
 
 def cmd_bench_codec(args) -> None:
-    from engine.bench import bench_codec, format_codec_report
+    from engine.tools.bench import bench_codec, format_codec_report
 
     run_bench(args, load_codec, lambda codec: bench_codec(codec, frames=args.frames, repeats=args.repeats),
               format_codec_report)
 
 
 def cmd_bench_synth(args) -> None:
-    from engine.bench import bench_synth, format_synth_report
+    from engine.tools.bench import bench_synth, format_synth_report
 
     run_bench(args, load_model, lambda model: bench_synth(model, frames=args.frames, repeats=args.repeats),
               format_synth_report)
 
 
 def cmd_bench_streams(args) -> None:
-    from engine.bench import bench_streams, format_streams_report
+    from engine.tools.bench import bench_streams, format_streams_report
 
     try:
         counts = [int(x) for x in args.streams.split(",") if x.strip()]
@@ -341,7 +341,7 @@ def cmd_bench_streams(args) -> None:
 
 
 def cmd_bench_compare(args) -> None:
-    from engine.bench import bench_compare, format_compare_report
+    from engine.tools.bench import bench_compare, format_compare_report
 
     run_bench(args, load_model, lambda model: bench_compare(model, frames=args.frames, streams=args.streams,
                                                             repeats=args.repeats, context_rows=args.context_rows),
@@ -365,7 +365,7 @@ def cmd_doctor(args) -> int:
     if args.bundle and not (Path(args.bundle) / "manifest.json").is_file():
         raise CliError(f"--bundle {args.bundle}: not a bundle (no manifest.json)")
     if args.json:
-        from engine.audio_io import check_writable_file
+        from engine.audio.files import check_writable_file
 
         check_writable_file(Path(args.json), "--json")
 
@@ -412,7 +412,7 @@ def default_demo_dir() -> Path:
 
 def ensure_demo_bundle(path: Path | None = None) -> Path:
     """The demo bundle, built on first use (seconds, no download); rebuilt when its format is outdated."""
-    from engine.bundle import Bundle
+    from engine.runtime.bundle import Bundle
     from engine.errors import BundleError
     from export.demo import DEMO_VERSION, build_demo_bundle
 
@@ -432,10 +432,10 @@ def ensure_demo_bundle(path: Path | None = None) -> Path:
 
 
 def cmd_demo(args) -> None:
-    from engine.audio_io import audio_target, write_audio
-    from engine.bundle import Bundle
-    from engine.generate import generate, synthesize
-    from engine.tts import TTSModel
+    from engine.audio.files import audio_target, write_audio
+    from engine.runtime.bundle import Bundle
+    from engine.offline.generate import generate, synthesize
+    from engine.model.tts import TTSModel
 
     target = audio_target(args.out)
     bundle_dir = ensure_demo_bundle(Path(args.bundle) if args.bundle else None)

@@ -191,7 +191,7 @@ def _capture_replay(model: bytes) -> dict:
 
 def check_kernels(device: str, bundle=None, registry_out=None) -> dict:
     import onnxruntime as ort
-    from engine.kernel_table import coverage_diff, installed_kernels, kernel_table, registry_table
+    from engine.runtime.kernel_table import coverage_diff, installed_kernels, kernel_table, registry_table
 
     committed = kernel_table(device)
     try:
@@ -228,8 +228,8 @@ def check_kernels(device: str, bundle=None, registry_out=None) -> dict:
 
 def check_placement(device: str, bundle=None, registry_out=None) -> dict:
     import onnxruntime as ort
-    from engine.kernel_table import registry_table
-    from engine.placement import bundle_unplaced
+    from engine.runtime.kernel_table import registry_table
+    from engine.runtime.placement import bundle_unplaced
 
     ep = PROVIDER_NAMES[device]
     ours = bundle.unplaced(device)
@@ -276,7 +276,7 @@ def _greedy_codes(model, texts: list[list[int]], frames: int) -> tuple[list[np.n
     """Each text's codes through a scheduler on ``model`` (greedy, all streams at once), and per-call timing."""
     import threading
 
-    from engine.scheduler import FrameEvent, Scheduler, StreamError, TurnEnd
+    from engine.serving.scheduler import FrameEvent, Scheduler, StreamError, TurnEnd
 
     scheduler = Scheduler(model, slots=len(texts), warm_buckets=True)
     scheduler.wait_warm()
@@ -320,9 +320,9 @@ def _greedy_codes(model, texts: list[list[int]], frames: int) -> tuple[list[np.n
 def check_graphs(device: str, bundle=None, registry_out=None) -> dict:
     if device != "cuda":
         raise CheckSkipped("CUDA graphs are CUDA-only")
-    from engine.buckets import capture_decision
-    from engine.graph_stats import node_counts
-    from engine.tts import STEP_GRAPHS, TTSModel
+    from engine.model.buckets import capture_decision
+    from engine.runtime.graph_stats import node_counts
+    from engine.model.tts import STEP_GRAPHS, TTSModel
 
     unplaced = {g: [f.node for f in bundle.unplaced("cuda") if f.graph == g] for g in STEP_GRAPHS}
     capture, why = capture_decision(True, "cuda", unplaced)
@@ -497,9 +497,9 @@ def _gather_nd_batch_dims_2(device: str) -> dict:
 
 
 def _rings_in_place(device: str) -> dict:
-    """The codec's ring writes (engine.kv.RingState: ScatterND into the ring bound as its own output) on the
+    """The codec's ring writes (engine.audio.rings.RingState: ScatterND into the ring bound as its own output) on the
     device and on the CPU, the same calls on each: the rings must end byte-identical, at the same address."""
-    from engine.kv import RingStage, RingState
+    from engine.audio.rings import RingStage, RingState
 
     stages = [RingStage(layers=2, heads=2, head_dim=4, rows=6, tokens_per_frame=2),
               RingStage(layers=1, heads=3, head_dim=2, rows=5, tokens_per_frame=1)]
@@ -578,7 +578,7 @@ def run_checks(device: str, checks: list[str], bundle_dir: Path | None = None, c
                registry_out: str | None = None, threads: int | None = None, progress=lambda msg: None,
                on_result=lambda r: None) -> list[CheckResult]:
     """Run ``checks`` in order on ``device``; each result is passed to ``on_result`` as it ends."""
-    from engine.bundle import Bundle
+    from engine.runtime.bundle import Bundle
 
     results, bundle, tmp = [], None, None
     try:

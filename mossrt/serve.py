@@ -39,11 +39,11 @@ def load_settings(args):
 
 def open_bundle(settings):
     """The bundle to serve, checked as the settings ask (a damaged bundle stops the start with status 2)."""
-    from engine.bundle import Bundle
+    from engine.runtime.bundle import Bundle
 
     directory = settings.bundle or ensure_demo_bundle()
     # a provider that cannot run the bundle is reported by /ready (503, with the reason), not a failed start
-    # the process serves this bundle alone: one intra-op pool for all its sessions (engine.threads)
+    # the process serves this bundle alone: one intra-op pool for all its sessions (engine.runtime.threads)
     bundle = Bundle(directory, device=settings.device, threads=settings.threads or None, defer_refusal=True,
                     shared_pool=True)
     if settings.verify == "full":
@@ -61,7 +61,7 @@ def cmd_serve(args) -> None:
     from app.protocol_bounds import ProtocolBounds, bounded_http_protocol, bounded_ws_protocol
     from app.routes.elevenlabs_http import ROUTE_PREFIXES
     from app.server import configure_logging, create_app
-    from engine.threads import describe_pools
+    from engine.runtime.threads import describe_pools
 
     settings = load_settings(args)
     bundle = open_bundle(settings)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import base64
 from dataclasses import dataclass
 
-from app.speech_timing import ALPHABETIC_CPS, RATE_BOUNDS
+from app.alignment.clock import ALPHABETIC_CPS, RATE_BOUNDS
 
 MS_PER_BYTE = 1 / 48          # 24 kHz s16 mono
 

@@ -1,7 +1,7 @@
 """Character alignment on every ElevenLabs route with timestamps, against a real ``mossrt serve``: each character
 once, in order, inside the audio it is sent with (never earlier than its frame, never later than the audio),
 nothing for what a cancelled turn left unsaid, the read clock on request, a bad clock refused.
-The estimate itself (app/speech_timing.py) is measured against speech with known word times in
+The estimate itself (app/alignment/clock.py) is measured against speech with known word times in
 tests/test_speech_timing.py."""
 
 from __future__ import annotations

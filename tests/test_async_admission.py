@@ -15,7 +15,7 @@ from service_helpers import wait_for
 
 def test_async_waiters_hold_no_thread_and_keep_the_order(model):
     from engine.errors import CapacityError
-    from engine.scheduler import Scheduler
+    from engine.serving.scheduler import Scheduler
 
     queue_timeout = 2
     scheduler = Scheduler(model, slots=1, queue_timeout=queue_timeout)
@@ -82,7 +82,7 @@ def test_async_waiters_hold_no_thread_and_keep_the_order(model):
 
 def test_async_wait_ends_when_the_scheduler_stops(model):
     from engine.errors import CapacityError
-    from engine.scheduler import Scheduler
+    from engine.serving.scheduler import Scheduler
 
     scheduler = Scheduler(model, slots=1, queue_timeout=60)
     holder = scheduler.open_stream()

@@ -39,7 +39,7 @@ def test_weight_bytes_per_call_counts_each_read():
     import numpy as np
     from onnx import TensorProto, helper, numpy_helper
 
-    from engine.graph_stats import weight_bytes_per_call
+    from engine.runtime.graph_stats import weight_bytes_per_call
 
     inits = [numpy_helper.from_array(np.ones((4, 8), np.float32), "w"),
              numpy_helper.from_array(np.ones((10, 4), np.float32), "table"),
@@ -59,7 +59,7 @@ def test_weight_bytes_per_call_counts_each_read():
 
 def test_probe_samples_combine_to_their_median():
     """The roofline's probe is the median sample (upper median for an even count), whatever the order taken."""
-    from engine.roofline import combine_probes
+    from engine.tools.roofline import combine_probes
 
     samples = [{"bytes": 8, "seconds": s, "bytes_per_s": 8 / s, "threads": 2, "repeats": 5} for s in (1, 4, 2, 8)]
     p = combine_probes(samples)
@@ -71,7 +71,7 @@ def test_probe_samples_combine_to_their_median():
 def test_read_probe_reads_each_share_whole(monkeypatch):
     """The probe reads its whole buffer, split over its threads: each share's maximum is the mark written at
     its end, and a pass that stopped short of a share's end is refused rather than timed."""
-    import engine.roofline as roofline
+    import engine.tools.roofline as roofline
 
     p = roofline._read_probe(3, 3 * 4096, 2)
     assert p["bytes"] == 3 * 4096 and p["threads"] == 3 and p["repeats"] == 2
@@ -85,7 +85,7 @@ def test_read_probe_reads_each_share_whole(monkeypatch):
 def test_bench_codec_roofline(codec_bundle_dir, tmp_path):
     import onnx
 
-    from engine.graph_stats import weight_bytes_per_call
+    from engine.runtime.graph_stats import weight_bytes_per_call
 
     out = mossrt("bench", "codec", "--bundle", codec_bundle_dir, "--frames", "6", "--repeats", "1",
                  "--json", tmp_path / "c.json")

@@ -266,7 +266,7 @@ def inprocess(demo_bundle_dir, tmp_path):
 
     from app.server import create_app
     from app.settings import ServerSettings
-    from engine.bundle import Bundle
+    from engine.runtime.bundle import Bundle
 
     settings = ServerSettings(bundle=demo_bundle_dir, voices_dir=tmp_path / "v", max_streams=1, device="cpu",
                               queue_timeout=60, ws_text_timeout=2)

@@ -1,4 +1,4 @@
-"""Batch buckets at fixed addresses (engine/buckets.py): sizes, the CUDA-graph id registry and capture
+"""Batch buckets at fixed addresses (engine/model/buckets.py): sizes, the CUDA-graph id registry and capture
 decision, a padded bucket's exactness against the unpadded batch, and no device allocation per step."""
 
 import time
@@ -11,7 +11,7 @@ SAY = "The quick brown fox jumps over the lazy dog, and the model keeps on talki
 
 # ---------------------------------------------------------------------------------------------- pure logic
 def test_bucket_sizes_are_powers_of_two_up_to_the_slot_count():
-    from engine.buckets import bucket_for, bucket_sizes, window_for
+    from engine.model.buckets import bucket_for, bucket_sizes, window_for
     from engine.errors import InputError
 
     assert bucket_sizes(1) == (1,)
@@ -26,7 +26,7 @@ def test_bucket_sizes_are_powers_of_two_up_to_the_slot_count():
 
 
 def test_graph_registry_refuses_an_id_replayed_with_other_shapes():
-    from engine.buckets import GraphKey, GraphRegistry
+    from engine.model.buckets import GraphKey, GraphRegistry
 
     reg = GraphRegistry()
     a = reg.id_for(GraphKey("backbone", 8), {"grid": (8, 1, 17)})
@@ -40,7 +40,7 @@ def test_graph_registry_refuses_an_id_replayed_with_other_shapes():
 
 
 def test_capture_decision():
-    from engine.buckets import capture_decision
+    from engine.model.buckets import capture_decision
 
     placed = {"backbone": [], "depth": []}
     assert capture_decision(None, "cuda", placed)[0] is True
@@ -70,7 +70,7 @@ def _filled_pools(model, lengths: list[int], slots: int):
 def test_a_padded_bucket_equals_the_unpadded_batch(model):
     """Three streams step in a bucket of 8 (a fourth attached but idle, four free slots): the same hidden
     rows and KV as the unpadded three-row batch, the idle stream's rows untouched, the same codes."""
-    from engine.buckets import BufferStats
+    from engine.model.buckets import BufferStats
 
     lengths = [30, 41, 36, 33]
     (plain, padded), rows = _filled_pools(model, lengths, 8)
@@ -109,8 +109,8 @@ def test_a_padded_bucket_equals_the_unpadded_batch(model):
 def test_no_device_allocation_or_binding_per_step_after_warm_up(model):
     """Five streams through a runner of 8 slots, three turns each: every buffer and binding is made during
     the first turn (the buckets and windows it uses); later turns allocate and bind nothing."""
-    from engine.runner import StepRunner
-    from engine.stream import StreamState
+    from engine.serving.runner import StepRunner
+    from engine.serving.stream import StreamState
 
     runner = StepRunner(model, 8, 8192)
     streams = [StreamState(model, params=model.default_sampling(greedy=True), seed=i) for i in range(5)]
@@ -141,7 +141,7 @@ def test_no_device_allocation_or_binding_per_step_after_warm_up(model):
 def test_the_depth_graph_flags_non_finite_rows(model):
     """A row whose hidden state is NaN gets ``finite`` False (the host reads [B] flags, not the logits);
     every other row of the bucket is unaffected."""
-    from engine.buckets import BufferStats
+    from engine.model.buckets import BufferStats
 
     pool = model.kv_pool(4, 16)
     bufs = model.step_buffers(4, pool, BufferStats())
@@ -162,7 +162,7 @@ def test_the_depth_graph_flags_non_finite_rows(model):
 # ---------------------------------------------------------------------------------------------- CUDA graphs
 def turn_frames(h, timeout: float = 120) -> list:
     """The frames of the handle's turn (its errors fail the test), within ``timeout`` s."""
-    from engine.scheduler import FrameEvent, StreamError, TurnEnd
+    from engine.serving.scheduler import FrameEvent, StreamError, TurnEnd
 
     frames, deadline = [], time.monotonic() + timeout
     while True:
@@ -180,11 +180,11 @@ def test_cuda_graph_ids_per_bucket_for_the_scheduler_only(full_bundle_dir):
     id, registered with that bucket's shapes and addresses; a StreamingSession on the same model runs
     uncaptured and registers nothing; codes are those of the uncaptured model."""
     from conftest import TEST_DEVICE
-    from engine.buckets import GraphKey
-    from engine.bundle import Bundle
-    from engine.scheduler import Scheduler
-    from engine.session import StreamingSession
-    from engine.tts import TTSModel
+    from engine.model.buckets import GraphKey
+    from engine.runtime.bundle import Bundle
+    from engine.serving.scheduler import Scheduler
+    from engine.offline.session import StreamingSession
+    from engine.model.tts import TTSModel
 
     def frames(model, n: int) -> list[list]:
         sch = Scheduler(model, slots=4)
@@ -219,8 +219,8 @@ def test_cuda_graphs_flag_reaches_the_model_and_is_refused_off_cuda(full_bundle_
     import logging
 
     from conftest import TEST_DEVICE
-    from engine.bundle import Bundle
-    from engine.tts import TTSModel
+    from engine.runtime.bundle import Bundle
+    from engine.model.tts import TTSModel
     from mossrt.cli import build_parser
     from mossrt.commands import cuda_graphs_choice
     from mossrt.serve import load_settings
@@ -245,7 +245,7 @@ def _run_turns(runner, model, seeds: list[int], turns: int = 2,
     ``windows``: a repetition window per seed (the default one otherwise)."""
     from dataclasses import replace
 
-    from engine.stream import StreamState
+    from engine.serving.stream import StreamState
 
     params = lambda s: replace(model.default_sampling(), **({"repetition_window": windows[s]} if s in (windows or {}) else {}))
     streams = [StreamState(model, params=params(s), seed=s) for s in seeds]
@@ -277,8 +277,8 @@ def test_warm_up_makes_every_call_shape_before_any_stream(model):
     bind nothing new (backbone/depth buffers at every history window, so a request's long repetition window
     too; codec call bindings and device buffers), and their codes and audio equal those of a runner that was
     not warmed."""
-    from engine.buckets import history_windows
-    from engine.runner import SERVICE_CODEC_SCHEDULE, StepRunner
+    from engine.model.buckets import history_windows
+    from engine.serving.runner import SERVICE_CODEC_SCHEDULE, StepRunner
 
     warm = StepRunner(model, 8, 8192, codec_schedule=SERVICE_CODEC_SCHEDULE)
     lengths, positions = warm.kv.lengths.copy(), warm.decoder.state.positions.numpy().copy()
@@ -313,10 +313,10 @@ def test_a_warmed_scheduler_captures_nothing_after_start(full_bundle_dir):
     it serves: each bucket's backbone and depth graph id exists when ``wait_warm`` returns, and streams
     then register no new id and allocate or bind no buffer; the codes equal an unwarmed scheduler's."""
     from conftest import TEST_DEVICE
-    from engine.buckets import GraphKey, history_windows
-    from engine.bundle import Bundle
-    from engine.scheduler import Scheduler
-    from engine.tts import TTSModel
+    from engine.model.buckets import GraphKey, history_windows
+    from engine.runtime.bundle import Bundle
+    from engine.serving.scheduler import Scheduler
+    from engine.model.tts import TTSModel
 
     captured = TTSModel(Bundle(full_bundle_dir, device=TEST_DEVICE))
     captured.cuda_graphs = True                             # what a CUDA placement would decide
@@ -361,9 +361,9 @@ def test_prefill_hidden_stays_on_the_device(model, monkeypatch):
     ``run_backbone`` is never called."""
     import onnxruntime as ort
 
-    from engine.prefix import PrefixCache
-    from engine.runner import StepRunner
-    from engine.stream import StreamState
+    from engine.kv.prefix import PrefixCache
+    from engine.serving.runner import StepRunner
+    from engine.serving.stream import StreamState
 
     runner = StepRunner(model, 4, 8192, prefill_chunk_rows=8, prefix_cache=PrefixCache(64 * 2**20))
 
@@ -426,10 +426,10 @@ def test_a_nan_prefix_is_refused_at_the_first_frame_after_its_prefill(model):
     depth's GraphError, and a stream prefilled beside it in the same tick speaks."""
     from conftest import golden
     from engine.errors import GraphError
-    from engine.prefix import PrefixCache, prefix_key
-    from engine.runner import StepRunner
-    from engine.stream import StreamState
-    from engine.tts import NON_FINITE_LOGITS
+    from engine.kv.prefix import PrefixCache, prefix_key
+    from engine.serving.runner import StepRunner
+    from engine.serving.stream import StreamState
+    from engine.model.tts import NON_FINITE_LOGITS
 
     cache = PrefixCache(64 * 2**20)
     runner = StepRunner(model, 2, 8192, prefix_cache=cache)

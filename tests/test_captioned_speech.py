@@ -1,7 +1,7 @@
 """Word timestamps: Kokoro-FastAPI's ``POST /dev/captioned_speech`` (streamed and whole) and the SSE events
 of ``/v1/audio/speech`` with ``return_timestamps``, against a real ``mossrt serve`` — every word of the input
 once, in order, inside the audio — and from the same speech clock as the ElevenLabs ``/with-timestamps``
-routes (app.word_timestamps over app.elevenlabs.alignment)."""
+routes (app.alignment.words over app.alignment.characters)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import httpx
 import pytest
 import soundfile as sf
 
-from app.word_timestamps import WordTimestamps, words_of
+from app.alignment.words import WordTimestamps, words_of
 from service_helpers import Server, assert_same_audio, pcm16
 
 TEXT = "Welcome to the world of MOSS TTS Realtime. Experience how text transforms, into speech!"

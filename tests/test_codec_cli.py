@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 import soundfile as sf
 
-from engine.manifest import FORMAT_VERSION
+from engine.runtime.manifest import FORMAT_VERSION
 from conftest import GOLDEN, golden, tolerance
-from engine.codec import MAX_FRAMES_PER_CALL
+from engine.audio.codec import MAX_FRAMES_PER_CALL
 
 
 def mossrt(*args, check=True):
@@ -159,8 +159,8 @@ def test_sharded_bf16_checkpoint_exports(tmp_path):
 
     from export.bundle import BundleWriter
     from export.codec_export import export_codec
-    from engine.bundle import Bundle
-    from engine.codec import Codec
+    from engine.runtime.bundle import Bundle
+    from engine.audio.codec import Codec
 
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()
@@ -186,8 +186,8 @@ def test_sharded_bf16_checkpoint_exports(tmp_path):
 def test_fp16_codec_bundle(tmp_path):
     from export.bundle import BundleWriter
     from export.codec_export import export_codec
-    from engine.bundle import Bundle
-    from engine.codec import Codec
+    from engine.runtime.bundle import Bundle
+    from engine.audio.codec import Codec
 
     writer = BundleWriter(tmp_path / "b16")
     export_codec(GOLDEN / "checkpoints/codec", writer, dtype="fp16")
@@ -221,7 +221,7 @@ def test_bench_codec_reports_consistent_figures(codec_bundle_dir, tmp_path):
 
 
 def test_bundle_errors(tmp_path):
-    from engine.bundle import Bundle
+    from engine.runtime.bundle import Bundle
     from engine.errors import BundleError
 
     with pytest.raises(BundleError, match="no manifest.json"):

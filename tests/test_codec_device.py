@@ -73,8 +73,8 @@ def test_device_buffers_are_fixed_after_warm_up(codec):
 def test_runner_codec_calls_take_the_schedules_sizes(model):
     """The runner's codec calls take only its schedule's frame counts (and 1): a turn's tail is split into
     them over ticks, and the audio still equals the one-pass decode of the turn's codes."""
-    from engine.runner import StepRunner
-    from engine.stream import StreamState
+    from engine.serving.runner import StepRunner
+    from engine.serving.stream import StreamState
 
     stream = StreamState(model, params=model.default_sampling(greedy=True), seed=0)
     runner = StepRunner(model, 1, stream.limits.max_context_rows, codec_schedule=(5,))

@@ -200,8 +200,8 @@ CODEC_DTYPE_FLOORS = {  # dtype: (min SNR dB, max log-mel distance dB, min share
 @pytest.fixture(scope="module")
 def codec_of(tmp_path_factory):
     """dtype -> the set-a codec exported with that ``--codec-dtype`` (each exported once)."""
-    from engine.bundle import Bundle
-    from engine.codec import Codec
+    from engine.runtime.bundle import Bundle
+    from engine.audio.codec import Codec
     from export.bundle import BundleWriter
     from export.codec_export import export_codec
 
@@ -241,8 +241,8 @@ def test_int8_codec_decoder_reads_int8_weights(codec_bundle_dir, codec_of):
     gathered from fp16 rows, and its encoder is the fp32 one; every node keeps a CUDA kernel."""
     import onnx
 
-    from engine.graph_stats import weight_bytes_per_call
-    from engine.placement import unplaced
+    from engine.runtime.graph_stats import weight_bytes_per_call
+    from engine.runtime.placement import unplaced
 
     other = codec_of("int8")
     path = other.bundle.file_path(other.bundle.info.graphs["codec_decoder"].file)

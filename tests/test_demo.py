@@ -71,9 +71,9 @@ def test_the_end_rule_is_the_demo_manifests_and_nothing_else(tmp_path, model):
     section) has no rule."""
     import shutil
 
-    from engine.bundle import Bundle
-    from engine.generate import generate
-    from engine.tts import TTSModel
+    from engine.runtime.bundle import Bundle
+    from engine.offline.generate import generate
+    from engine.model.tts import TTSModel
     from export.demo import build_demo_bundle
 
     assert model.demo_end_frames_per_text_id is None and not model.bundle.is_demo

@@ -34,7 +34,7 @@ def test_doctor_on_cpu_passes_and_writes_what_it_found(full_bundle_dir, tmp_path
     assert placed["depth"]["nodes_by_provider"] == {"CPUExecutionProvider": placed["depth"]["nodes_by_provider"]
                                                     ["CPUExecutionProvider"]} and not placed["depth"]["off_device"]
     # the registry file is the committed table's format: the placement check reads it back
-    from engine.kernel_table import DATA, TABLES
+    from engine.runtime.kernel_table import DATA, TABLES
 
     written, committed = json.loads(registry.read_text()), json.loads((DATA / TABLES["cpu"]).read_text())
     assert written["ops"] == committed["ops"]
@@ -57,7 +57,7 @@ def test_a_failed_check_fails_the_command(tmp_path):
 
 
 def test_kernel_diff_names_what_the_table_claims_beyond_the_registry():
-    from engine.kernel_table import Kernel, OpKernels, coverage_diff, kernel_table, registry_table
+    from engine.runtime.kernel_table import Kernel, OpKernels, coverage_diff, kernel_table, registry_table
 
     committed = kernel_table("cpu")
     registry = registry_table("cpu")

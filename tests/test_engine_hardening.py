@@ -12,7 +12,7 @@ import pytest
 def test_truncate_past_the_end_of_the_audio_keeps_what_was_played(model):
     """``truncate_turn`` with more frames than the turn played keeps the whole turn (clamped), never an
     IndexError; the result equals truncating at exactly the frames played."""
-    from engine.session import StreamingSession
+    from engine.offline.session import StreamingSession
 
     kept = []
     for extra in (1, 1000, 0):
@@ -171,7 +171,7 @@ def start(scheduler, model, text: str = SAY, max_frames: int = 24, seed: int = 0
 
 def turn_end(h, timeout: float = 120):
     """(frames, errors, stats) of the handle's turn, within ``timeout`` s."""
-    from engine.scheduler import FrameEvent, StreamError, TurnEnd
+    from engine.serving.scheduler import FrameEvent, StreamError, TurnEnd
 
     frames, errors, deadline = [], [], time.monotonic() + timeout
     while True:
@@ -211,7 +211,7 @@ def test_a_failing_slot_move_fails_no_stream_and_the_loop_keeps_serving(model):
     """Three streams; the first closes early, and moving the last slot into its place fails once (a device
     out-of-memory): the loop survives, the other two finish whole, the slot is freed on retry, and a new
     stream runs."""
-    from engine.scheduler import Scheduler
+    from engine.serving.scheduler import Scheduler
 
     sch = Scheduler(model, slots=3)
     try:
@@ -235,7 +235,7 @@ def test_a_failing_slot_move_fails_no_stream_and_the_loop_keeps_serving(model):
 
 def test_the_slot_copy_runs_outside_the_scheduler_lock(model):
     """While a slot move is in progress, callers (stats, admission) are not blocked by it."""
-    from engine.scheduler import Scheduler
+    from engine.serving.scheduler import Scheduler
 
     sch = Scheduler(model, slots=2)
     entered, release = threading.Event(), threading.Event()
@@ -264,7 +264,7 @@ def test_the_slot_copy_runs_outside_the_scheduler_lock(model):
 
 
 def test_a_failing_attach_fails_only_that_stream(model):
-    from engine.scheduler import Scheduler
+    from engine.serving.scheduler import Scheduler
 
     sch = Scheduler(model, slots=2)
     try:
@@ -301,7 +301,7 @@ def break_with_a_stuck_slot(sch, model):
 
 def test_a_slot_that_cannot_be_freed_breaks_the_engine_but_running_streams_finish(model):
     from engine.errors import EngineBrokenError
-    from engine.scheduler import Scheduler
+    from engine.serving.scheduler import Scheduler
 
     sch = Scheduler(model, slots=2)
     try:
@@ -315,8 +315,8 @@ def test_a_slot_that_cannot_be_freed_breaks_the_engine_but_running_streams_finis
 def test_a_prefill_after_truncate_and_new_turn_writes_at_the_truncated_length(model):
     """A truncate and a new turn landing between the runner's context check and ``want()`` (another thread)
     must not make the prefill write at the old length."""
-    from engine.runner import StepRunner
-    from engine.stream import StreamState
+    from engine.serving.runner import StepRunner
+    from engine.serving.stream import StreamState
 
     runner = StepRunner(model, 1, 8192)
     st = StreamState(model, params=model.default_sampling(greedy=True), seed=0)
@@ -347,8 +347,8 @@ def test_a_prefill_after_truncate_and_new_turn_writes_at_the_truncated_length(mo
 def test_a_failing_commit_after_a_batched_depth_call_fails_only_its_stream(model):
     """Two streams in one batched depth call; accepting the second one's frame fails: the first keeps its
     frame (no re-run of a consumed request) and its output equals its solo run."""
-    from engine.runner import StepRunner
-    from engine.stream import StreamState
+    from engine.serving.runner import StepRunner
+    from engine.serving.stream import StreamState
 
     def run(n: int, broken: int | None) -> list[list]:
         runner = StepRunner(model, n, 8192)
@@ -386,7 +386,7 @@ def test_ready_reports_a_broken_engine(full_bundle_dir, tmp_path):
 
     from app.server import create_app
     from app.settings import ServerSettings
-    from engine.bundle import Bundle
+    from engine.runtime.bundle import Bundle
 
     settings = ServerSettings(bundle=full_bundle_dir, voices_dir=tmp_path / "v", max_streams=2, device="cpu")
     app = create_app(settings, Bundle(full_bundle_dir, device="cpu"))
@@ -522,16 +522,16 @@ def test_four_concurrent_bombs_keep_the_server_within_its_memory_bound(bounded_s
 def test_voice_lookups_use_the_index_and_see_other_processes(tmp_path, monkeypatch):
     """find() parses no meta.json however many voices there are (the index is built once, at start); a voice
     another process adds or deletes in the same directory is seen; max_voices is enforced."""
-    import engine.voices
-    from engine.voices import VoiceRegistry
+    import app.voices
+    from app.voices import VoiceRegistry
 
     codes = np.zeros((10, 16), np.int64)
     writer = VoiceRegistry(tmp_path, "bundle-x")
     made = [writer.add(f"voice {i}", codes) for i in range(200)]
     reg = VoiceRegistry(tmp_path, "bundle-x")
     parsed = []
-    real_loads = engine.voices.json.loads
-    monkeypatch.setattr(engine.voices.json, "loads", lambda *a, **k: parsed.append(1) or real_loads(*a, **k))
+    real_loads = app.voices.json.loads
+    monkeypatch.setattr(app.voices.json, "loads", lambda *a, **k: parsed.append(1) or real_loads(*a, **k))
     for rec in made[::7]:
         assert reg.find(rec.name) == rec and reg.find(rec.id) == rec
     assert reg.find("no such voice") is None

@@ -86,9 +86,9 @@ def test_sharded_bf16_tts_checkpoint(tmp_path):
     from safetensors.numpy import load_file, save_file
 
     from conftest import golden
-    from engine.bundle import Bundle
-    from engine.generate import generate
-    from engine.tts import TTSModel
+    from engine.runtime.bundle import Bundle
+    from engine.offline.generate import generate
+    from engine.model.tts import TTSModel
     from export.bundle import BundleWriter
     from export.codec_export import export_codec
     from export.demo import TOKENIZER_JSON

@@ -288,8 +288,8 @@ def test_tts_without_dst_and_other_model_identity(loaded, backend):
 
 
 def test_voices_by_registered_name_and_by_reference_file(loaded, backend, tmp_path, full_bundle_dir):
-    from engine.bundle import Bundle
-    from engine.voices import VoiceRegistry
+    from engine.runtime.bundle import Bundle
+    from app.voices import VoiceRegistry
 
     codes = np.random.default_rng(0).integers(0, 1024, size=(20, 16))
     VoiceRegistry(backend.voices_dir, Bundle(full_bundle_dir, device="cpu").identity).add("narrator", codes)

@@ -14,9 +14,9 @@ import httpx
 import numpy as np
 import pytest
 
-from app.elevenlabs.alignment import Aligner
+from app.alignment.characters import Aligner
 from app.normalize import OFF, Switches, language_at, normalize
-from app.normalize.alignment import SentAligner
+from app.alignment.spans import SentAligner
 from app.normalize.examples import EXAMPLES, table
 from app.normalize.rules import RULES
 from service_helpers import Server

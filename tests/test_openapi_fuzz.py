@@ -59,7 +59,7 @@ NDJSON = "application/x-ndjson"       # /dev/captioned_speech's streamed lines: 
 AUDIO_READ_SECONDS = 3.0
 LOG = os.environ.get("MOSSRT_FUZZ_LOG")   # a path: every request and its answer, one JSON line each
 BUDGET_S = 120              # the whole run (both fuzz tests): 10-25 s on a shared 2-core machine
-VOICE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9 _.\-]{0,63}$")   # engine/voices.py's rule
+VOICE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9 _.\-]{0,63}$")   # app/voices.py's rule
 SPEAKABLE = "Hello there, this is a fuzzed request. "
 
 

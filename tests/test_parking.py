@@ -42,7 +42,7 @@ def conversation(scheduler, model, greedy: bool, other_between: bool):
 
 @pytest.mark.parametrize("greedy", [True, False], ids=["greedy", "seeded"])
 def test_a_parked_conversation_resumes_exactly(model, greedy):
-    from engine.scheduler import Scheduler
+    from engine.serving.scheduler import Scheduler
 
     ref = Scheduler(model, slots=1, queue_timeout=60, parked_bytes=1 << 30)
     try:
@@ -70,7 +70,7 @@ def test_a_parked_conversation_resumes_exactly(model, greedy):
 
 def test_past_the_budget_a_parked_context_is_evicted(model):
     from engine.errors import CapacityError, ContextEvictedError
-    from engine.scheduler import Scheduler
+    from engine.serving.scheduler import Scheduler
 
     scheduler = Scheduler(model, slots=1, queue_timeout=0.5, parked_bytes=0)
     try:
@@ -98,7 +98,7 @@ def test_past_the_budget_a_parked_context_is_evicted(model):
 
 
 def test_the_oldest_parked_context_goes_first_and_closing_frees_its_rows(model):
-    from engine.scheduler import Scheduler
+    from engine.serving.scheduler import Scheduler
 
     params = model.default_sampling(greedy=True)
     probe = Scheduler(model, slots=1, queue_timeout=30, parked_bytes=1 << 30)
@@ -133,7 +133,7 @@ def test_a_queued_stream_takes_the_slot_when_its_holder_goes_idle(model):
     parked for it then), well before its queue timeout."""
     import threading
 
-    from engine.scheduler import Scheduler
+    from engine.serving.scheduler import Scheduler
 
     scheduler = Scheduler(model, slots=1, queue_timeout=600, parked_bytes=1 << 30)
     try:
@@ -158,7 +158,7 @@ def test_a_queued_stream_takes_the_slot_when_its_holder_goes_idle(model):
 
 def turn_alone(model, params, ids):
     """The frames of one turn on a scheduler of one slot: what a stream says with nobody beside it."""
-    from engine.scheduler import Scheduler
+    from engine.serving.scheduler import Scheduler
 
     alone = Scheduler(model, slots=1, queue_timeout=60, warm_buckets=False)
     try:
@@ -170,7 +170,7 @@ def turn_alone(model, params, ids):
 def test_idle_streams_in_slots_do_not_inflate_the_batch_bucket(model):
     """Four slots: A speaks, then B (A idle in slot 0): B's turn runs at bucket 1, not 2 — it trades slots
     with the idle A as it starts — and both say exactly what they say alone."""
-    from engine.scheduler import Scheduler
+    from engine.serving.scheduler import Scheduler
 
     params = model.default_sampling(greedy=True)
     ids_a, ids_b = model.tokenizer.encode(TEXT_A)[:30], model.tokenizer.encode(SHORT)
@@ -194,7 +194,7 @@ def test_a_turn_running_above_one_that_ends_moves_down_mid_turn(model):
     """A (slot 0) and B (slot 1) speak at once; A's turn is short, B's long. Once A's turn is over, B trades
     slots with it mid-turn (its rows and codec ring moved), so no step carries A's idle row; B says what it
     says alone (codes exact at fp32, audio within the codec's round-off: its ring moved mid-turn)."""
-    from engine.scheduler import Scheduler
+    from engine.serving.scheduler import Scheduler
 
     params = model.default_sampling(greedy=True)
     ids_a, ids_b = model.tokenizer.encode(SHORT)[:3], model.tokenizer.encode(TEXT_A)
@@ -224,7 +224,7 @@ def test_a_turn_running_above_one_that_ends_moves_down_mid_turn(model):
 def test_a_slot_move_copies_exactly_the_filled_rows(dtype):
     """BackboneKVPool.move (a stream's rows to another slot, on the device: a detach's and a trade's copy) gives
     the destination exactly the source's filled rows, leaves the other slots alone, and moves the length."""
-    from engine.kv import BackboneKVPool
+    from engine.kv.pool import BackboneKVPool
 
     pool = BackboneKVPool(layers=2, kv_heads=3, head_dim=8, slots=4, rows=50, dtype=np.dtype(dtype))
     rng = np.random.default_rng(7)

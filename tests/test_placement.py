@@ -12,9 +12,9 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper
 
-from engine.kernel_table import (DATA, OPEN_END, SIGNATURES, TABLES, installed_cpu_kernels, installed_signatures,
+from engine.runtime.kernel_table import (DATA, OPEN_END, SIGNATURES, TABLES, installed_cpu_kernels, installed_signatures,
                                  kernel_table, op_key, signatures)
-from engine.placement import HOST_COPY, NO_KERNEL, PlacementRefused, choose_device, unplaced
+from engine.runtime.placement import HOST_COPY, NO_KERNEL, PlacementRefused, choose_device, unplaced
 from service_helpers import Server
 from test_hardening import assert_clean_error, run_cli
 
@@ -303,21 +303,23 @@ def test_runtime_helper_graphs_place_on_cuda(monkeypatch, full_bundle_dir):
     codec rings' in-place write, move and position updates) have a kernel for every node on CUDA too: they
     are not in the bundle, so the load-time check never sees them. (Their row counts may come from data:
     they run between steps, never inside a captured one.)"""
-    import engine.device
-    import engine.kv
-    from engine.bundle import Bundle
-    from engine.generate import generate, synthesize
-    from engine.tts import TTSModel
+    import engine.runtime.device
+    import engine.audio.rings
+    import engine.kv.pool
+    from engine.runtime.bundle import Bundle
+    from engine.offline.generate import generate, synthesize
+    from engine.model.tts import TTSModel
 
     built: dict[str, bytes] = {}
-    real = engine.device._graph
+    real = engine.runtime.device._graph
 
     def recording(name, nodes, inputs, outputs):
         built[name] = real(name, nodes, inputs, outputs)
         return built[name]
 
-    monkeypatch.setattr(engine.device, "_graph", recording)
-    monkeypatch.setattr(engine.kv, "_graph", recording)
+    monkeypatch.setattr(engine.runtime.device, "_graph", recording)
+    monkeypatch.setattr(engine.kv.pool, "_graph", recording)
+    monkeypatch.setattr(engine.audio.rings, "_graph", recording)
     model = TTSModel(Bundle(full_bundle_dir, device="cpu"))
     gen = generate(model, text="Hello there.", max_frames=4, params=model.default_sampling(greedy=True))
     assert synthesize(model, gen).size > 0

@@ -55,7 +55,7 @@ def pushes(turn: Turn):
 
 
 def run_solo(model, spec: Spec):
-    from engine.session import StreamingSession
+    from engine.offline.session import StreamingSession
 
     s = StreamingSession(model, voice_codes=spec.voice, params=params_for(model, spec), seed=spec.seed)
     out = []
@@ -73,7 +73,7 @@ def run_solo(model, spec: Spec):
 
 
 def run_scheduled(scheduler, model, spec: Spec, errors: list):
-    from engine.scheduler import FrameEvent, StreamError, TurnEnd
+    from engine.serving.scheduler import FrameEvent, StreamError, TurnEnd
 
     try:
         time.sleep(spec.start_delay)
@@ -139,7 +139,7 @@ def test_concurrent_streams_equal_solo_runs(model):
     """8 streams (texts, voices, lengths, start times, greedy and sampled, multi-turn, a cancel, a stall)
     share the scheduler's calls; each gets exactly the codes (and, within float32 round-off, the audio)
     of running alone."""
-    from engine.scheduler import Scheduler
+    from engine.serving.scheduler import Scheduler
 
     all_specs = specs(model)
     scheduler = Scheduler(model, slots=8)
@@ -169,7 +169,7 @@ def test_concurrent_streams_equal_solo_runs(model):
     # the turn after the cancel: equal to a session primed with exactly what the scheduler's stream had fed
     spec = all_specs[6]
     _, _, fed = spec.results[0]
-    from engine.session import StreamingSession
+    from engine.offline.session import StreamingSession
 
     ref = StreamingSession(model, params=params_for(model, spec), seed=spec.seed)
     ref.prime(fed)
@@ -186,7 +186,7 @@ def test_concurrent_streams_equal_solo_runs(model):
 @exact_codes
 def test_no_capacity_then_a_freed_slot(model):
     from engine.errors import CapacityError
-    from engine.scheduler import Scheduler
+    from engine.serving.scheduler import Scheduler
 
     ids = model.tokenizer.encode(TEXT_A)
     scheduler = Scheduler(model, slots=2, queue_timeout=0.2)
@@ -210,7 +210,7 @@ def test_no_capacity_then_a_freed_slot(model):
 
 
 def drain_events(h, timeout: float = 120):
-    from engine.scheduler import FrameEvent, StreamError, TurnEnd
+    from engine.serving.scheduler import FrameEvent, StreamError, TurnEnd
 
     frames = []
     while True:
@@ -225,8 +225,8 @@ def drain_events(h, timeout: float = 120):
 
 def test_handle_calls_validate(model):
     from engine.errors import InputError, StreamClosedError
-    from engine.sampling import SamplingParams
-    from engine.scheduler import Scheduler
+    from engine.model.sampling import SamplingParams
+    from engine.serving.scheduler import Scheduler
 
     scheduler = Scheduler(model, slots=1)
     try:
@@ -256,7 +256,7 @@ def test_handle_calls_validate(model):
 @exact_codes
 def test_slow_consumer_pauses_its_stream(model):
     """A consumer that does not read holds its own stream (bounded buffering) and not the others."""
-    from engine.scheduler import Scheduler
+    from engine.serving.scheduler import Scheduler
 
     ids = model.tokenizer.encode(TEXT_A)
     scheduler = Scheduler(model, slots=2, max_buffered_frames=4)
@@ -279,7 +279,7 @@ def test_session_refuses_concurrent_use(model):
     """A StreamingSession is not thread-safe: a second thread entering it gets ConcurrentUseError, never a
     corrupted state (the old session raised IndexError in most trials)."""
     from engine.errors import ConcurrentUseError
-    from engine.session import StreamingSession
+    from engine.offline.session import StreamingSession
 
     text = TEXT_A * 3
     seen = []
@@ -306,7 +306,7 @@ def test_session_refuses_concurrent_use(model):
 
 
 def test_admission_is_first_come_first_served_and_a_closed_slot_is_free_at_once(model):
-    from engine.scheduler import Scheduler
+    from engine.serving.scheduler import Scheduler
 
     scheduler = Scheduler(model, slots=1)
     try:
@@ -341,7 +341,7 @@ def test_admission_is_first_come_first_served_and_a_closed_slot_is_free_at_once(
 def test_codec_chunking_policy():
     """Frames go to the codec in the schedule's chunks; early only while that keeps playback going, and
     never in small calls for a listener already starved by a stream slower than real time."""
-    from engine.runner import frames_to_decode
+    from engine.serving.runner import frames_to_decode
 
     fast, slow, codec, frame = 0.02, 0.3, 0.1, 0.08      # tick durations faster / slower than one 80 ms frame
     assert frames_to_decode(1, False, 1, None, slow, codec, frame) == 1          # the first chunk: at once
@@ -358,8 +358,8 @@ def test_codec_chunking_policy():
 def test_every_turn_starts_with_a_one_frame_codec_chunk(model):
     """A later turn of a stream gets its first frame's audio as soon as that frame exists, like the first
     turn: the chunk schedule and the playback clock start again with each turn."""
-    from engine.runner import SERVICE_CODEC_SCHEDULE, StepRunner
-    from engine.stream import StreamState
+    from engine.serving.runner import SERVICE_CODEC_SCHEDULE, StepRunner
+    from engine.serving.stream import StreamState
 
     stream = StreamState(model, params=model.default_sampling(greedy=True), seed=0)
     runner = StepRunner(model, 1, stream.limits.max_context_rows, codec_schedule=SERVICE_CODEC_SCHEDULE)
@@ -383,7 +383,7 @@ def test_a_stream_waiting_for_text_leaves_the_loop_asleep(model, monkeypatch):
     sleeps until the listener's audio runs low instead of ticking in a busy loop; the held frames still
     arrive, early, once they are needed. Counted in runner ticks (every pass of the loop is one), not in
     the process's CPU time, which other threads on a loaded machine also spend."""
-    from engine.scheduler import Scheduler, StreamError, TurnEnd
+    from engine.serving.scheduler import Scheduler, StreamError, TurnEnd
 
     scheduler = Scheduler(model, slots=1)
     ticks = itertools.count()
@@ -417,8 +417,8 @@ def test_a_failed_tick_fails_each_stream_with_an_error_then_its_turn_end(model, 
     """Every way a stream fails (a tick that raises, here) is the one path: its consumer gets the error, then
     its turn's end (finish reason ``error``), so a consumer waiting for either never hangs; the slot is
     released as usual."""
-    from engine.scheduler import Scheduler, StreamError, TurnEnd
-    from engine.stream import FinishReason
+    from engine.serving.scheduler import Scheduler, StreamError, TurnEnd
+    from engine.serving.stream import FinishReason
 
     scheduler = Scheduler(model, slots=1)
     try:

@@ -562,8 +562,8 @@ def test_ready_is_503_warming_until_the_buckets_are_warm(full_bundle_dir, tmp_pa
 
     from app.server import create_app
     from app.settings import ServerSettings
-    from engine.bundle import Bundle
-    from engine.runner import StepRunner
+    from engine.runtime.bundle import Bundle
+    from engine.serving.runner import StepRunner
 
     gate, entered = threading.Event(), threading.Event()
     real = StepRunner.warm_up
@@ -597,8 +597,8 @@ def test_ready_is_503_warming_until_the_buckets_are_warm(full_bundle_dir, tmp_pa
 def test_warm_buckets_flag_and_variable(full_bundle_dir, monkeypatch):
     """``--warm-buckets on|off`` on serve and bench reaches the settings and the model; the default follows
     the CUDA-graph decision (off on CPU); bad values are refused with status 2."""
-    from engine.bundle import Bundle
-    from engine.tts import TTSModel
+    from engine.runtime.bundle import Bundle
+    from engine.model.tts import TTSModel
     from mossrt.cli import build_parser, main
     from mossrt.commands import warm_buckets_choice
     from mossrt.serve import load_settings

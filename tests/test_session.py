@@ -25,7 +25,7 @@ def greedy(model):
 
 
 def new_session(model, voice=None, **kw):
-    from engine.session import StreamingSession
+    from engine.offline.session import StreamingSession
 
     return StreamingSession(model, voice_codes=voice, params=greedy(model), **kw)
 

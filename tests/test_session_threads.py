@@ -11,14 +11,14 @@ from pathlib import Path
 
 from conftest import TEST_DEVICE
 
-from engine.bundle import Bundle
+from engine.runtime.bundle import Bundle
 
 ROOT = Path(__file__).resolve().parent.parent
 
 # a process that serves one bundle: its sessions, the OS threads they added, and what onnxruntime says of them
 POOL_PROBE = """
 import json, os, sys
-from engine.bundle import Bundle
+from engine.runtime.bundle import Bundle
 from engine.errors import BundleError
 def spin(o):
     try:

@@ -41,7 +41,7 @@ def test_a_one_shot_stream_leaves_its_slot_without_a_copy_when_its_turn_ends(mod
     Its slot is free at once — the next stream is admitted with no park (no device-to-host copy of a context
     nobody resumes) — its frames still all reach the consumer, and a second turn is refused."""
     from engine.errors import InputError
-    from engine.scheduler import Scheduler
+    from engine.serving.scheduler import Scheduler
 
     sch = Scheduler(model, slots=1, queue_timeout=60, parked_bytes=1 << 30)
     try:
@@ -74,7 +74,7 @@ def test_a_stream_that_may_not_park_others_takes_only_a_free_slot(model):
     Wyoming synthesis) is refused at its deadline without parking it; a stream that may park takes the slot
     past it; the non-parking one, queued, takes the next free slot (it keeps its place)."""
     from engine.errors import CapacityError
-    from engine.scheduler import Scheduler
+    from engine.serving.scheduler import Scheduler
 
     sch = Scheduler(model, slots=1, queue_timeout=60, parked_bytes=1 << 30)
     try:
@@ -144,7 +144,7 @@ def test_a_turn_refused_for_its_inputs_takes_no_slot(model):
     admission and the refusal, it kept the slot)."""
     from engine.errors import ContextLimitError
     from engine.limits import Limits
-    from engine.scheduler import Scheduler
+    from engine.serving.scheduler import Scheduler
 
     sch = Scheduler(model, slots=1, queue_timeout=30)
     try:
@@ -187,7 +187,7 @@ def test_a_turn_failing_while_the_loop_attaches_it_gives_the_slot_back(model):
     """The loop has taken an admitted stream and is about to attach it when its turn fails to open: it is
     not attached, and its slot is free (before: attached anyway for a turn that never opened, the slot held)."""
     from engine.errors import InputError
-    from engine.scheduler import Scheduler
+    from engine.serving.scheduler import Scheduler
 
     sch = Scheduler(model, slots=1, queue_timeout=30)
     entered, release = threading.Event(), threading.Event()
@@ -218,7 +218,7 @@ def test_a_turn_failing_once_attached_detaches_it_again(model):
     """The loop attached the admitted stream before its turn failed to open: it is detached again, the slot
     free for the next stream."""
     from engine.errors import InputError
-    from engine.scheduler import Scheduler
+    from engine.serving.scheduler import Scheduler
 
     sch = Scheduler(model, slots=1, queue_timeout=30)
     try:
@@ -237,7 +237,7 @@ def test_a_parked_streams_failing_turn_leaves_its_rows_parked(model):
     it, and the turn fails to open: its rows stay parked (no re-upload for a turn that never opened), the
     slot is free, and its next turn resumes it exactly."""
     from engine.errors import InputError
-    from engine.scheduler import Scheduler
+    from engine.serving.scheduler import Scheduler
 
     sch = Scheduler(model, slots=1, queue_timeout=30, parked_bytes=1 << 30)
     entered, release = threading.Event(), threading.Event()
@@ -268,7 +268,7 @@ def test_a_failing_codec_ring_move_leaves_the_moved_stream_whole(model):
     the retry (at the next wake: the second stream's turn) moves the same rows, and the moved stream's
     context is bit-exact (before: the KV lengths had moved already, the retry moved 0 rows and the
     stream's context was silently empty)."""
-    from engine.scheduler import Scheduler
+    from engine.serving.scheduler import Scheduler
 
     sch = Scheduler(model, slots=3)
     try:
@@ -302,7 +302,7 @@ def trade_scenario(model, inject):
     """Four slots: A speaks (slot 0), then B starts while A is idle in slot 0, so B trades slots with A;
     ``inject(kv)`` makes one of the trade's copies fail once. Returns B's frames, A's rows before and after,
     and A's context rows."""
-    from engine.scheduler import Scheduler
+    from engine.serving.scheduler import Scheduler
 
     sch = Scheduler(model, slots=4, queue_timeout=60, warm_buckets=False)
     try:
@@ -347,7 +347,7 @@ def test_a_park_the_budget_would_not_keep_copies_nothing(model, budget):
     """A budget of 0 bytes, or one smaller than the context: the idle stream is evicted without a copy
     (before: its rows were copied to the host, then dropped)."""
     from engine.errors import ContextEvictedError
-    from engine.scheduler import Scheduler
+    from engine.serving.scheduler import Scheduler
 
     sch = Scheduler(model, slots=1, queue_timeout=30, parked_bytes=budget)
     try:
@@ -367,7 +367,7 @@ def test_a_park_the_budget_would_not_keep_copies_nothing(model, budget):
 def test_a_stream_closed_after_it_was_chosen_for_parking_is_not_copied(model):
     """The loop is about to park an idle stream when its client closes it: its slot is freed without a copy
     and nothing stays parked."""
-    from engine.scheduler import Scheduler
+    from engine.serving.scheduler import Scheduler
 
     sch = Scheduler(model, slots=1, queue_timeout=30, parked_bytes=1 << 30)
     entered, release = threading.Event(), threading.Event()
@@ -395,7 +395,7 @@ def test_a_stream_closed_after_it_was_chosen_for_parking_is_not_copied(model):
 def test_parking_an_owner_again_replaces_its_bytes():
     """``ParkedContexts.put`` for an owner already parked (an invariant says it never is) keeps the byte count
     exact: the newer rows replace the older."""
-    from engine.parking import ParkedContexts
+    from engine.kv.parking import ParkedContexts
 
     parked = ParkedContexts(1 << 20)
     owner = object()

@@ -1,4 +1,4 @@
-"""The speech clock (app/speech_timing.py) and the aligner on it (app/elevenlabs/alignment.py): priors by script,
+"""The speech clock (app/alignment/clock.py) and the aligner on it (app/alignment/characters.py): priors by script,
 silence that holds the text, a rate learned from the syllables heard, pauses anchored to punctuation, a cancelled
 turn's unspoken text never aligned; and, end to end, ``scripts/alignment-eval`` against espeak-ng's speech with
 its known word times (Debian's espeak-ng: ``bash .ci/install-debian.sh``)."""
@@ -14,8 +14,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from app.elevenlabs.alignment import Aligner
-from app.speech_timing import ALPHABETIC_CPS, FRAME_S, HAN_CPS, SpeechClock, char_seconds
+from app.alignment.characters import Aligner
+from app.alignment.clock import ALPHABETIC_CPS, FRAME_S, HAN_CPS, SpeechClock, char_seconds
 
 REPO = Path(__file__).resolve().parents[1]
 RATE = 24000

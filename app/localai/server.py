@@ -46,11 +46,11 @@ from typing import Callable, Iterator, Protocol
 import grpc
 import numpy as np
 
-from engine.bundle import Bundle
+from engine.runtime.bundle import Bundle
 from engine.errors import EngineError, InputError
-from engine.handles import QueueSink
-from engine.stream import FinishReason
-from engine.voices import read_reference_audio, resolve_voice
+from engine.serving.handles import QueueSink
+from engine.serving.stream import FinishReason
+from engine.audio.voices import read_reference_audio, resolve_voice
 
 from ..audio_formats import StreamEncoder
 from ..errors import ApiError, from_engine, grpc_status

@@ -19,11 +19,11 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 
 from ..audio_formats import whole_file
-from ..elevenlabs.alignment import Aligner
+from ..alignment.characters import Aligner
 from ..schemas import CaptionedSpeechRequest
 from ..session.http import StreamedResponse, whole
 from ..session.policy import require_key
-from ..word_timestamps import WordTimestamps, words_of
+from ..alignment.words import WordTimestamps, words_of
 from .elevenlabs_http import aligned_chunks, whole_aligned
 from .speech import reply_headers, start_speech
 

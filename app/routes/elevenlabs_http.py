@@ -21,15 +21,15 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 
 from engine.errors import EngineError
-from engine.handles import AsyncSink
+from engine.serving.handles import AsyncSink
 
-from ..elevenlabs.alignment import CLOCKS, Aligner, Span
+from ..alignment.characters import CLOCKS, Aligner, Span
 from ..elevenlabs.formats import parse_output_format
 from ..elevenlabs.protocol import QuerySeed, Seed
 from ..errors import ELEVENLABS_PREFIXES, HTTP_CODES, ApiError, elevenlabs_client, from_engine, json_error
 from ..metrics import StreamMeter
 from ..normalize import OFF, Switches
-from ..normalize.alignment import SentAligner
+from ..alignment.spans import SentAligner
 from ..service import SamplingFields, TTSService
 from ..session.http import StreamedResponse, StreamEnd, outs, whole
 from ..session.policy import require_speakable
@@ -272,7 +272,7 @@ class Alignments:
     """A with-timestamps reply's two alignments, as ElevenLabs gives them: ``alignment`` over the text as sent
     and ``normalized_alignment`` over the text the model read (the normalized text; the same as
     ``alignment`` when normalization changed nothing). The interface of an
-    :class:`~app.elevenlabs.alignment.Aligner` (fed the model's text), whose spans are ``alignment``'s;
+    :class:`~app.alignment.characters.Aligner` (fed the model's text), whose spans are ``alignment``'s;
     :attr:`normalized` is the span the last call gave ``normalized_alignment``."""
 
     def __init__(self, utterance, clock: str):

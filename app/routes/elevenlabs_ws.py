@@ -26,9 +26,9 @@ from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 
 from engine.errors import InputError
-from engine.stream import FinishReason
+from engine.serving.stream import FinishReason
 
-from ..elevenlabs.alignment import FRAME_MS, Aligner
+from ..alignment.characters import FRAME_MS, Aligner
 from ..elevenlabs.formats import OutputFormat, parse_output_format
 from ..elevenlabs.protocol import DEFAULT_INACTIVITY_TIMEOUT, ClientMessage, ConnectionParams
 from ..errors import ApiError

@@ -11,10 +11,10 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 from starlette.concurrency import run_in_threadpool
 
-from engine.handles import AsyncSink
+from engine.serving.handles import AsyncSink
 
 from ..audio_formats import CONTENT_TYPES, StreamEncoder, whole_file
-from ..elevenlabs.alignment import Aligner
+from ..alignment.characters import Aligner
 from ..errors import ApiError
 from ..metrics import StreamMeter
 from ..schemas import SpeechRequest
@@ -23,7 +23,7 @@ from ..session.http import StreamedResponse, StreamEnd, outs, whole
 from ..session.policy import require_key, require_speakable
 from ..session.pump import Audio, Ended, Failed, TurnAudio
 from ..session.utterance import Utterance, aprepare_utterance
-from ..word_timestamps import WordTimestamps
+from ..alignment.words import WordTimestamps
 
 router = APIRouter()
 ENDPOINT = "/v1/audio/speech"

@@ -6,7 +6,7 @@ from fastapi import APIRouter, Depends, File, Form, Request, UploadFile
 from starlette.concurrency import run_in_threadpool
 
 from engine.errors import InputError, VoiceExistsError, VoiceLimitError
-from engine.voices import VOICE_NAME_PATTERN
+from app.voices import VOICE_NAME_PATTERN
 
 from ..session.policy import require_key
 from ..errors import ApiError

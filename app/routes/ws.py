@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, Validat
 from starlette.concurrency import run_in_threadpool
 
 from engine.errors import EngineError, InputError
-from engine.voices import resolve_voice
+from engine.audio.voices import resolve_voice
 
 from ..audio_formats import MAX_OUT_RATE, MIN_OUT_RATE, StreamEncoder
 from ..errors import ApiError, from_engine

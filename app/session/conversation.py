@@ -1,6 +1,6 @@
 """A conversation: one scheduler stream that lives across a client's turns, and every bound a turn is held to.
 
-It owns the :class:`~engine.handles.StreamHandle` (opened at the first turn, with the voice and seed fixed
+It owns the :class:`~engine.serving.handles.StreamHandle` (opened at the first turn, with the voice and seed fixed
 then), admission (the queue timeout: at every turn, since between turns the stream may be parked — its
 slot given to a waiting stream, its KV rows kept on the host — and a parked stream takes a slot again at
 its next turn; one whose parked rows were evicted continues on a fresh stream,
@@ -19,9 +19,9 @@ import time
 import numpy as np
 
 from engine.errors import ContextEvictedError, EngineError, InputError
-from engine.handles import AsyncSink, StreamHandle
-from engine.sampling import SamplingParams
-from engine.tokenizer import check_unicode
+from engine.serving.handles import AsyncSink, StreamHandle
+from engine.model.sampling import SamplingParams
+from engine.model.tokenizer import check_unicode
 
 from ..errors import ApiError, from_engine
 from .policy import SessionPolicy

@@ -13,7 +13,7 @@ import logging
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
-from engine.handles import StreamHandle
+from engine.serving.handles import StreamHandle
 
 from .pump import Ended, Failed, TurnAudio, pump
 

@@ -13,8 +13,8 @@ import queue
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable, Iterator
 
-from engine.handles import FrameEvent, StreamError, StreamHandle, TurnEnd
-from engine.stream import Frame, TurnStats
+from engine.serving.handles import FrameEvent, StreamError, StreamHandle, TurnEnd
+from engine.serving.stream import Frame, TurnStats
 
 from ..audio_formats import StreamEncoder
 from ..errors import ApiError, from_engine

@@ -33,7 +33,7 @@ import time
 
 from fastapi import WebSocket, WebSocketDisconnect
 
-from engine.handles import StreamError
+from engine.serving.handles import StreamError
 
 from ..errors import CLOSE_FORBIDDEN, ApiError, close_code, from_engine, json_error
 from .conversation import Conversation

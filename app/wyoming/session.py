@@ -44,7 +44,7 @@ from wyoming.server import AsyncEventHandler
 from wyoming.tts import Synthesize, SynthesizeChunk, SynthesizeStart, SynthesizeStop, SynthesizeStopped
 
 from engine.errors import EngineError
-from engine.handles import AsyncSink, StreamHandle
+from engine.serving.handles import AsyncSink, StreamHandle
 
 from ..audio_formats import StreamEncoder
 from ..errors import ApiError, from_engine

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import numpy as np
 
-from app.elevenlabs.alignment import Aligner
-from app.word_timestamps import WordTimestamps
+from app.alignment.characters import Aligner
+from app.alignment.words import WordTimestamps
 
 from .espeak import TARGET_RATE, Speech
 
@@ -68,7 +68,7 @@ def run(speech: Speech, clock: str = "speech", whole: bool = False) -> Timed:
 
 
 def captions(speech: Speech, timed: Timed) -> Timed:
-    """What ``/dev/captioned_speech`` answers for the same alignments: its words (app.word_timestamps), each
+    """What ``/dev/captioned_speech`` answers for the same alignments: its words (app.alignment.words), each
     character placed at the start of its word (as the route says it), so a word's error is its caption's."""
     words = WordTimestamps()
     got = [w for span in timed.spans for w in words.add(span)] + words.finish()

@@ -1,0 +1,1 @@
+"""Host-owned context memory: the backbone's KV slot pool, the prefix cache, parked contexts."""

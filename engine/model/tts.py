@@ -1,0 +1,265 @@
+"""MOSS-TTS-Realtime graphs on onnxruntime: the backbone over host-owned KV slots, and the depth graph
+that samples one 16-code frame per stream per call.
+
+A :class:`TTSModel` holds no per-stream state: it may be shared by every thread and runner.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import numpy as np
+import onnxruntime as ort
+
+from engine.model.buckets import BucketBuffers, GraphKey, GraphRegistry, capture_decision
+from engine.runtime.bundle import Bundle
+from engine.audio.codec import Codec
+from engine.runtime.device import KV_DTYPES, DeviceTensor
+from engine.errors import BundleError, GraphError, InputError
+from engine.kv.pool import BackboneKVPool
+from engine.model.prompt import GridLayout, PromptBuilder
+from engine.model.sampling import SamplingParams
+from engine.runtime.timing import CallTiming
+from engine.model.tokenizer import TextTokenizer
+
+
+def check_compute_dtype(compute_dtype: str, device: str) -> None:
+    """bf16 bundles run on CUDA only: onnxruntime's CPU provider has no bfloat16 kernels for most of the
+    backbone's ops (GroupQueryAttention, MatMul, the fused norms), so a bf16 bundle is refused on CPU
+    rather than left to fail at its first call."""
+    if compute_dtype == "bf16" and device != "cuda":
+        raise BundleError("this bundle computes in bf16, which runs on the CUDA provider only: use --device cuda, "
+                          "or export with --compute-dtype fp16 (or fp32) for CPU")
+
+
+log = logging.getLogger("mossrt.tts")
+
+STEP_GRAPHS = ("backbone", "depth")      # the graphs a bucket's step captures
+NON_FINITE_LOGITS = "the depth graph produced NaN/Inf logits (damaged bundle?)"
+
+
+class TTSModel:
+    """The TTS graphs of a bundle plus everything derived from its manifest (layout, defaults, tokenizer)."""
+
+    def __init__(self, bundle: Bundle, codec: Codec | None = None, cuda_graphs: bool | None = None,
+                 warm_buckets: bool | None = None):
+        """``cuda_graphs``: capture each bucket's backbone step and depth call as CUDA graphs (None: on with
+        CUDA when every node of both graphs is placed there, see :func:`engine.model.buckets.capture_decision`).
+        ``warm_buckets``: a scheduler on this model runs every bucket's calls once before it serves
+        (``StepRunner.warm_up``; None: when capturing, so that no capture happens inside a live tick)."""
+        self.bundle = bundle
+        tts = bundle.section("tts")
+        self.config = tts.config
+        self.compute_dtype = tts.compute_dtype
+        check_compute_dtype(tts.compute_dtype, bundle.device)
+        self.kv_dtype = KV_DTYPES[tts.compute_dtype]     # backbone KV slots and cached prefixes
+        self.tokenizer = TextTokenizer.from_bundle(bundle)
+        self.codec = codec or Codec(bundle)
+        demo = bundle.info.demo
+        # the demo bundle's end rule for its random model (engine.serving.stream), None for every real bundle
+        self.demo_end_frames_per_text_id = demo.end_frames_per_text_id if demo is not None else None
+        gen = bundle.section("generation")
+        special = bundle.section("tokenizer").special_ids
+        self.layout = GridLayout(
+            codebooks=self.config.rvq, codebook_size=self.codec.codebook_size, audio_pad=self.config.audio_pad,
+            audio_bos=self.config.audio_bos, audio_eos=self.config.audio_eos, text_pad_id=special.text_pad,
+            audio_pad_text_id=special.audio_pad, text_lead=gen.prefill_text_tokens)
+        self.prompt = PromptBuilder(self.tokenizer, self.layout)
+        self.history_pad = self.config.history_pad
+        self.vocab = self.config.vocab
+        self.sampling_defaults = gen.sampling_defaults.model_dump()
+        unplaced = {g: [f.node for f in bundle.unplaced("cuda") if f.graph == g] for g in STEP_GRAPHS} \
+            if bundle.device == "cuda" else {}
+        self.cuda_graphs, why = capture_decision(cuda_graphs, bundle.device, unplaced)
+        (log.warning if "refused" in why else log.info)("%s", why)
+        self.graph_ids = GraphRegistry()
+        self._capture_claimed = False
+        self._run_options: dict[int, ort.RunOptions] = {}
+        if self.cuda_graphs:
+            try:
+                self._backbone, self._depth = (bundle.session(g, cuda_graph=True) for g in STEP_GRAPHS)
+            except BundleError as e:      # onnxruntime refuses a CUDA-graph session it cannot place on CUDA alone
+                log.warning("CUDA graphs refused by onnxruntime, running uncaptured: %s", e)
+                self.cuda_graphs = False
+        if not self.cuda_graphs:
+            self._backbone, self._depth = (bundle.session(g) for g in STEP_GRAPHS)
+        self._uncaptured = self._graph_run_options(-1) if self.cuda_graphs else None   # prefill, run_depth
+        self.warm_buckets = self.cuda_graphs if warm_buckets is None else warm_buckets
+        # one graph call at a time per model: a runner's scheduler thread and a StreamingSession or synth in
+        # another thread share these sessions, and a CUDA-graph session must never run concurrently
+        self.graph_lock = threading.Lock()
+
+    @property
+    def backbone_session(self):
+        return self._backbone
+
+    @property
+    def depth_session(self):
+        return self._depth
+
+    def default_sampling(self, **overrides) -> SamplingParams:
+        return SamplingParams.from_defaults(self.sampling_defaults, **overrides)
+
+    def kv_pool(self, slots: int, rows: int) -> BackboneKVPool:
+        c = self.config
+        positions = c.backbone.max_positions
+        if positions is not None and rows + 1 > positions:
+            raise InputError(f"{rows} context rows need {rows + 1} RoPE positions; this bundle's backbone has "
+                             f"{positions} (max_position_embeddings): lower max_context_rows")
+        return BackboneKVPool(c.layers, c.kv_heads, c.head_dim, slots, rows, self.bundle.device, self.bundle.providers,
+                              self.kv_dtype)
+
+    def kv_bytes_per_slot(self, rows: int) -> int:
+        c = self.config
+        return BackboneKVPool.bytes_per_slot(c.layers, c.kv_heads, c.head_dim, rows, self.kv_dtype)
+
+    def check_text_ids(self, ids) -> np.ndarray:
+        """Token ids as a flat int64 array, each a valid row of the text embedding."""
+        try:
+            arr = np.asarray(list(ids))
+        except TypeError:
+            raise InputError("token ids must be a list of integers") from None
+        if arr.size == 0:
+            return np.zeros(0, np.int64)
+        if arr.ndim != 1 or arr.dtype == np.bool_ or not np.issubdtype(arr.dtype, np.integer):
+            raise InputError("token ids must be a flat list of integers")
+        if arr.min() < 0 or arr.max() >= self.vocab:
+            raise InputError(f"token ids must lie in 0..{self.vocab - 1}")
+        return arr.astype(np.int64)
+
+    # ------------------------------------------------------------------ graph calls
+    def run_backbone(self, grid: np.ndarray, pool: BackboneKVPool, lo: int, hi: int,
+                     timing: CallTiming | None = None) -> np.ndarray:
+        """Feed rows ``grid [hi-lo, T, 17]`` to slots ``lo..hi-1`` at their current lengths; the new K/V
+        are written in place at those lengths (the caller advances ``pool.lengths``). Returns the rows'
+        hidden states ``[hi-lo, T, H]`` on the host (synthesis tools and tests; the runner keeps them on the
+        device with :meth:`run_backbone_into`)."""
+        binding = self._backbone_call(grid, pool, lo, hi, lambda b, shape: b.bind_output("hidden", "cpu"), timing)
+        return binding.get_outputs()[0].numpy()
+
+    def run_backbone_into(self, grid: np.ndarray, pool: BackboneKVPool, lo: int, hi: int, hidden: DeviceTensor,
+                          timing: CallTiming | None = None) -> None:
+        """:meth:`run_backbone` with the hidden states written into the first ``(hi-lo) * T`` rows of
+        ``hidden`` (float32 ``[rows, H]`` device memory, bound by pointer): nothing comes back."""
+        self._backbone_call(grid, pool, lo, hi, lambda b, shape: hidden.bind_shaped(b.bind_output, "hidden", shape),
+                            timing)
+
+    def _backbone_call(self, grid: np.ndarray, pool: BackboneKVPool, lo: int, hi: int, bind_hidden,
+                       timing: CallTiming | None) -> ort.IOBinding:
+        """The one backbone call of a batch of rows (see :meth:`run_backbone`); ``bind_hidden(binding,
+        shape)`` binds its ``hidden`` output. Returns the binding it ran."""
+        t0 = time.perf_counter()
+        binding = self._backbone.io_binding()
+        bind_hidden(binding, [hi - lo, grid.shape[1], self.config.hidden])
+        binding.bind_cpu_input("grid", np.ascontiguousarray(grid, dtype=np.int64))
+        # GroupQueryAttention's lengths, from the host: each row's last valid KV row after this call, and
+        # the slot capacity (a constant: the same for every call on this pool)
+        positions = pool.lengths[lo:hi, None] + np.arange(grid.shape[1], dtype=np.int64)[None]
+        binding.bind_cpu_input("position_ids", positions)
+        binding.bind_cpu_input("seqlens_k", (pool.lengths[lo:hi] + (grid.shape[1] - 1)).astype(np.int32))
+        binding.bind_cpu_input("total_sequence_length", np.array(pool.capacity, np.int32))
+        pool.bind(binding, lo, hi)
+        t1 = time.perf_counter()
+        with self.graph_lock:
+            self._backbone.run_with_iobinding(binding, self._uncaptured)
+        t2 = time.perf_counter()
+        if timing is not None:
+            timing.add(time.perf_counter() - t0, t2 - t1)
+        return binding
+
+    def run_depth(self, hidden: np.ndarray, history: np.ndarray, params: list[SamplingParams],
+                  uniform: np.ndarray, first_frame: np.ndarray, timing: CallTiming | None = None) -> np.ndarray:
+        """One frame per row from its last hidden state ``[B, H]``: codes ``[B, 16]``.
+
+        ``history`` ``[B, window, 16]`` holds earlier frames of each row's turn (``history_pad`` where none);
+        rows with ``first_frame`` get no penalty, as upstream. Non-finite logits raise GraphError.
+        """
+        t0 = time.perf_counter()
+        first = np.asarray(first_frame, bool)
+        feeds = {
+            "hidden": np.ascontiguousarray(hidden, dtype=np.float32),
+            "history": np.ascontiguousarray(history, dtype=np.int64),
+            "repetition_penalty": np.array([1.0 if f else p.repetition_penalty for p, f in zip(params, first)],
+                                           np.float32),
+            "temperature": np.array([p.temperature if p.temperature > 0 else 1.0 for p in params], np.float32),
+            "top_k": np.array([p.top_k for p in params], np.int64),
+            "top_p": np.array([p.top_p for p in params], np.float32),
+            "greedy": np.array([p.is_greedy for p in params], np.bool_),
+            "uniform": np.ascontiguousarray(uniform, dtype=np.float32),
+        }
+        t1 = time.perf_counter()
+        with self.graph_lock:
+            codes, finite = self._depth.run(["codes", "finite"], feeds, self._uncaptured)
+        t2 = time.perf_counter()
+        if not finite.all():
+            raise GraphError(NON_FINITE_LOGITS)
+        if timing is not None:
+            timing.add(time.perf_counter() - t0, t2 - t1)
+        return codes
+
+    # ------------------------------------------------------------------ bucketed step calls
+    def step_buffers(self, bucket: int, pool: BackboneKVPool, stats, capture: bool = False) -> BucketBuffers:
+        """The fixed-address buffers and bindings of one batch bucket over ``pool``'s slots ``0..bucket-1``."""
+        return BucketBuffers(bucket, self, pool, stats, capture)
+
+    def claim_capture(self) -> bool:
+        """Whether the caller's runner captures its buckets' calls: true once per model (the service's
+        scheduler), when capturing at all. A captured graph replays at the addresses it was captured with,
+        so a second runner's buffers (a StreamingSession, another scheduler) run uncaptured."""
+        with self.graph_lock:
+            claimed, self._capture_claimed = self._capture_claimed, True
+        return self.cuda_graphs and not claimed
+
+    def _graph_run_options(self, gid: int) -> ort.RunOptions:
+        if gid not in self._run_options:
+            ro = ort.RunOptions()
+            ro.add_run_config_entry("gpu_graph_id", str(gid))       # onnxruntime's CUDA graph annotation
+            self._run_options[gid] = ro
+        return self._run_options[gid]
+
+    def _captured(self, bufs: BucketBuffers, key: GraphKey,
+                  layout: dict[str, tuple[int, ...]]) -> ort.RunOptions | None:
+        """The run options of a bucket's call: its captured graph's id (the registry refuses an id bound with
+        other shapes or addresses than it was captured with), uncaptured (-1) for buffers that do not
+        capture, None when the model does not capture at all."""
+        if not self.cuda_graphs:
+            return None
+        if not bufs.capture:
+            return self._uncaptured
+        return self._graph_run_options(self.graph_ids.id_for(key, layout))
+
+    def run_step(self, bufs: BucketBuffers, timing: CallTiming | None = None) -> None:
+        """The backbone step over the bucket's staged ``grid``/``positions``/``seqlens`` (host arrays, copied
+        to its device buffers here); the rows' hidden states stay in ``bufs.hidden`` on the device."""
+        t0 = time.perf_counter()
+        for buf in (bufs.grid, bufs.positions, bufs.seqlens):
+            buf.upload()
+        t1 = time.perf_counter()
+        with self.graph_lock:
+            self._backbone.run_with_iobinding(bufs.backbone, self._captured(bufs, GraphKey("backbone", bufs.bucket),
+                                                                            bufs.backbone_layout))
+        t2 = time.perf_counter()
+        if timing is not None:
+            timing.add(t2 - t0, t2 - t1)
+
+    def run_bucket_depth(self, bufs: BucketBuffers, window: int,
+                         timing: CallTiming | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """The depth call over ``bufs.hidden`` with the staged sampler inputs and history of bound ``window``;
+        returns host copies of ``codes`` [B, 16] and ``finite`` [B] (nothing else comes back)."""
+        t0 = time.perf_counter()
+        binding, history = bufs.depth_binding(window)
+        history.upload()
+        for buf in bufs.sampler.values():
+            buf.upload()
+        t1 = time.perf_counter()
+        with self.graph_lock:
+            self._depth.run_with_iobinding(binding, self._captured(bufs, GraphKey("depth", bufs.bucket, window),
+                                                                   bufs.depth_layout[window]))
+        t2 = time.perf_counter()
+        # copies: on CPU numpy() is a view of the buffer, which the next call overwrites
+        codes, finite = bufs.codes.value.numpy().copy(), bufs.finite.value.numpy().copy()
+        if timing is not None:
+            timing.add(time.perf_counter() - t0, t2 - t1)
+        return codes, finite

@@ -1,0 +1,1 @@
+"""Measurement: the benchmark and the roofline."""
