@@ -23,8 +23,18 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
 
-from engine.errors import (BundleError, CapacityError, ContextLimitError, EngineBrokenError, EngineError, GraphError,
-                           InputError, OverloadError, StreamClosedError, TextTooLongError)
+from engine.errors import (
+    BundleError,
+    CapacityError,
+    ContextLimitError,
+    EngineBrokenError,
+    EngineError,
+    GraphError,
+    InputError,
+    OverloadError,
+    StreamClosedError,
+    TextTooLongError,
+)
 
 log = logging.getLogger("mossrt.app")
 

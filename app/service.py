@@ -16,15 +16,15 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from engine.runtime.bundle import Bundle
-from engine.errors import EngineError, InputError, VoiceGoneError
-from engine.limits import Limits
-from engine.kv.prefix import prefix_key
-from engine.model.sampling import SamplingParams
-from engine.serving.scheduler import QueueSink, Scheduler, StreamError, StreamHandle, TurnEnd
-from engine.model.tts import TTSModel
 from app.voices import VoiceRecord, VoiceRegistry
 from engine.audio.voices import resolve_voice
+from engine.errors import EngineError, InputError, VoiceGoneError
+from engine.kv.prefix import prefix_key
+from engine.limits import Limits
+from engine.model.sampling import SamplingParams
+from engine.model.tts import TTSModel
+from engine.runtime.bundle import Bundle
+from engine.serving.scheduler import QueueSink, Scheduler, StreamError, StreamHandle, TurnEnd
 
 from .errors import ApiError
 from .normalize import warm as normalize_warm

@@ -11,9 +11,9 @@ import io
 import av
 import numpy as np
 
+from engine.audio.voices import read_reference_audio
 from engine.errors import InputError, UnreadableAudioError
 from engine.limits import Limits
-from engine.audio.voices import read_reference_audio
 
 
 def decode_upload(data: bytes, limits: Limits, what: str = "audio_sample", user_audio: bool = False) \

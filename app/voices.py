@@ -19,7 +19,6 @@ import numpy as np
 
 from engine.errors import InputError, VoiceExistsError, VoiceGoneError, VoiceLimitError
 
-
 VOICE_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9 _.\-]{0,63}$"
 _NAME = re.compile(VOICE_NAME_PATTERN)
 # a folder ``.voice_<hex>.tmp`` (a write) or ``.voice_<hex>.deleted`` (a delete) this much older than the start

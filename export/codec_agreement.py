@@ -84,8 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from engine.runtime.bundle import Bundle
     from engine.audio.codec import Codec
+    from engine.runtime.bundle import Bundle
 
     args = build_parser().parse_args(argv)
     ref, other = (Codec(Bundle(Path(b), device="cpu")) for b in (args.ref, args.bundle))

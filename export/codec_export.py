@@ -12,7 +12,6 @@ from .checkpoint import Checkpoint
 from .codec import build_decoder, build_encoder, codec_tensor_names, parse_codec_config
 from .graph import INT8_BLOCK, INT8_BLOCKS
 
-
 # codec dtype → (encoder, decoder) weight storage. int8 is the decoder's (read whole for every frame of
 # speech): its matmuls read int8 with a scale per block of 64 inputs (MatMulNBits), its dequant table fp16; the
 # encoder, which makes the codes of voice prompts, stays fp32 so those codes stay exact.

@@ -13,7 +13,7 @@ from typing import Callable, Iterator
 import numpy as np
 from safetensors.numpy import save_file
 
-from .codec import parse_codec_config, StageSpec
+from .codec import StageSpec, parse_codec_config
 
 SHARD_BYTES = 1 << 30
 

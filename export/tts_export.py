@@ -10,8 +10,15 @@ import numpy as np
 from .bundle import BundleWriter
 from .checkpoint import Checkpoint
 from .graph import COMPUTE_DTYPES, INT8_BLOCK, INT8_BLOCKS
-from .tts import (IGNORED_TENSORS, build_backbone, build_depth, build_sampling_filter, check_tensor_shapes,
-                  parse_tts_config, tts_tensor_names)
+from .tts import (
+    IGNORED_TENSORS,
+    build_backbone,
+    build_depth,
+    build_sampling_filter,
+    check_tensor_shapes,
+    parse_tts_config,
+    tts_tensor_names,
+)
 
 # storage of large weights; compute is float32 throughout (but see int8). int8 = weight-only symmetric
 # int8 for matmul weights with a scale per block of 64 inputs (graph.INT8_BLOCK; 128 with --int8-block), as com.microsoft.MatMulNBits

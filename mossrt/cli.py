@@ -11,10 +11,10 @@ import os
 import sys
 import traceback
 
-from . import commands as c
 from engine.limits import DEFAULT_MAX_CONTEXT_ROWS, DEFAULT_MAX_TEXT_CHARS, HARD_MAX_FRAMES, MAX_CONTEXT_ROWS
 from engine.model.sampling import MAX_TOP_K
 
+from . import commands as c
 from .argtypes import any_int, finite_float, int_in
 from .doctor import CHECKS as DOCTOR_CHECKS
 

@@ -54,8 +54,8 @@ def cmd_export(args) -> None:
     from export.codec import parse_codec_config
     from export.codec_export import export_codec
     from export.graph import INT8_BLOCK
-    from export.tts import parse_tts_config
     from export.tokenizer_export import export_tokenizer, find_tokenizer
+    from export.tts import parse_tts_config
 
     if not args.codec and not args.model:
         raise CliError("export needs --codec CKPT_DIR (and/or --model TTS_CKPT_DIR)")
@@ -120,8 +120,8 @@ def report_placement(bundle, provider: str) -> None:
 
 
 def load_model(args):
-    from engine.runtime.bundle import Bundle
     from engine.model.tts import TTSModel
+    from engine.runtime.bundle import Bundle
 
     bundle = Bundle(args.bundle, device=args.device, threads=args.threads, profile_dir=profile_dir(args),
                     shared_pool=True)
@@ -146,8 +146,8 @@ def warm_buckets_choice(args) -> bool | None:
 
 
 def load_codec(args):
-    from engine.runtime.bundle import Bundle
     from engine.audio.codec import Codec
+    from engine.runtime.bundle import Bundle
 
     return Codec(Bundle(args.bundle, device=args.device, threads=args.threads, profile_dir=profile_dir(args),
                         shared_pool=True))
@@ -186,8 +186,8 @@ def cmd_codec_encode(args) -> None:
 
 
 def cmd_codec_decode(args) -> None:
-    from engine.audio.files import audio_target, write_audio
     from engine.audio.codec import Codec
+    from engine.audio.files import audio_target, write_audio
 
     if args.chunk_frames is not None and args.schedule is not None:
         raise CliError("give either --chunk-frames or --schedule, not both")
@@ -212,8 +212,8 @@ def sampling(model, args):
 
 def cmd_synth(args) -> None:
     from engine.audio.files import audio_target, write_audio
-    from engine.offline.generate import generate, synthesize
     from engine.audio.voices import read_reference_audio, resolve_voice
+    from engine.offline.generate import generate, synthesize
 
     if args.voice and args.voice_codes:
         raise CliError("give --voice or --voice-codes, not both")
@@ -245,9 +245,9 @@ def cmd_synth(args) -> None:
 def cmd_replay(args) -> None:
     """Drive a whole streaming session from a JSON script; write each turn's codes and audio."""
     from engine.audio.files import check_writable_file, write_audio
+    from engine.audio.voices import read_reference_audio, resolve_voice
     from engine.offline.session import StreamingSession
     from engine.offline.turn import run_turn
-    from engine.audio.voices import read_reference_audio, resolve_voice
 
     from .replay import load_script
 
@@ -412,8 +412,8 @@ def default_demo_dir() -> Path:
 
 def ensure_demo_bundle(path: Path | None = None) -> Path:
     """The demo bundle, built on first use (seconds, no download); rebuilt when its format is outdated."""
-    from engine.runtime.bundle import Bundle
     from engine.errors import BundleError
+    from engine.runtime.bundle import Bundle
     from export.demo import DEMO_VERSION, build_demo_bundle
 
     path = path or default_demo_dir()
@@ -433,9 +433,9 @@ def ensure_demo_bundle(path: Path | None = None) -> Path:
 
 def cmd_demo(args) -> None:
     from engine.audio.files import audio_target, write_audio
-    from engine.runtime.bundle import Bundle
-    from engine.offline.generate import generate, synthesize
     from engine.model.tts import TTSModel
+    from engine.offline.generate import generate, synthesize
+    from engine.runtime.bundle import Bundle
 
     target = audio_target(args.out)
     bundle_dir = ensure_demo_bundle(Path(args.bundle) if args.bundle else None)

@@ -191,6 +191,7 @@ def _capture_replay(model: bytes) -> dict:
 
 def check_kernels(device: str, bundle=None, registry_out=None) -> dict:
     import onnxruntime as ort
+
     from engine.runtime.kernel_table import coverage_diff, installed_kernels, kernel_table, registry_table
 
     committed = kernel_table(device)
@@ -228,6 +229,7 @@ def check_kernels(device: str, bundle=None, registry_out=None) -> dict:
 
 def check_placement(device: str, bundle=None, registry_out=None) -> dict:
     import onnxruntime as ort
+
     from engine.runtime.kernel_table import registry_table
     from engine.runtime.placement import bundle_unplaced
 
@@ -321,8 +323,8 @@ def check_graphs(device: str, bundle=None, registry_out=None) -> dict:
     if device != "cuda":
         raise CheckSkipped("CUDA graphs are CUDA-only")
     from engine.model.buckets import capture_decision
-    from engine.runtime.graph_stats import node_counts
     from engine.model.tts import STEP_GRAPHS, TTSModel
+    from engine.runtime.graph_stats import node_counts
 
     unplaced = {g: [f.node for f in bundle.unplaced("cuda") if f.graph == g] for g in STEP_GRAPHS}
     capture, why = capture_decision(True, "cuda", unplaced)

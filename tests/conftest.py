@@ -73,8 +73,8 @@ def codec_bundle_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def codec(codec_bundle_dir):
-    from engine.runtime.bundle import Bundle
     from engine.audio.codec import Codec
+    from engine.runtime.bundle import Bundle
 
     return Codec(Bundle(codec_bundle_dir, device=TEST_DEVICE))
 
@@ -150,16 +150,16 @@ def fp32_bundle_dir(tmp_path_factory, full_bundle_dir):
 @pytest.fixture(scope="session")
 def fp16_model(tmp_path_factory):
     """The full golden bundle with an fp16-compute backbone (fp16 weights, activations and KV)."""
-    from engine.runtime.bundle import Bundle
     from engine.model.tts import TTSModel
+    from engine.runtime.bundle import Bundle
 
     return TTSModel(Bundle(_export_full_bundle(tmp_path_factory, "fp16", "fp16"), device=TEST_DEVICE))
 
 
 @pytest.fixture(scope="session")
 def model(full_bundle_dir):
-    from engine.runtime.bundle import Bundle
     from engine.model.tts import TTSModel
+    from engine.runtime.bundle import Bundle
 
     return TTSModel(Bundle(full_bundle_dir, device=TEST_DEVICE))
 
@@ -168,8 +168,8 @@ def model(full_bundle_dir):
 def fp32_model(fp32_bundle_dir, model):
     """``model`` in fp32 compute whatever MOSSRT_TEST_COMPUTE_DTYPE says (see ``fp32_bundle_dir``); on the CPU
     provider when the tests' own bundle is reduced-precision (CUDA refuses fp32 bundles)."""
-    from engine.runtime.bundle import Bundle
     from engine.model.tts import TTSModel
+    from engine.runtime.bundle import Bundle
 
     return model if TEST_COMPUTE_DTYPE == "fp32" else TTSModel(Bundle(fp32_bundle_dir, device="cpu"))
 

@@ -17,9 +17,8 @@ from pathlib import Path
 import httpx
 import numpy as np
 import soundfile as sf
-from prometheus_client.parser import text_string_to_metric_families
-
 from conftest import TEST_DEVICE
+from prometheus_client.parser import text_string_to_metric_families
 
 TEXT = ("Welcome to the world of MOSS TTS Realtime. Experience how text transforms into smooth, "
         "human-like speech in real time, one small step after another.")

@@ -12,7 +12,6 @@ import json
 
 import httpx
 import pytest
-
 from alignment_checks import MS_PER_BYTE, Char, assert_follows_the_audio, http_chunks_chars, ws_chars
 from service_helpers import LONG_TEXT, TEXT, Server
 

@@ -9,7 +9,6 @@ import threading
 import time
 
 import pytest
-
 from service_helpers import wait_for
 
 

@@ -15,7 +15,6 @@ import threading
 
 import httpx
 import pytest
-
 from service_helpers import Server, free_port, metric, wait_for
 from transports import BY_NAME, KEY, WS_TRANSPORTS, ws_messages
 

@@ -11,8 +11,8 @@ SAY = "The quick brown fox jumps over the lazy dog, and the model keeps on talki
 
 # ---------------------------------------------------------------------------------------------- pure logic
 def test_bucket_sizes_are_powers_of_two_up_to_the_slot_count():
-    from engine.model.buckets import bucket_for, bucket_sizes, window_for
     from engine.errors import InputError
+    from engine.model.buckets import bucket_for, bucket_sizes, window_for
 
     assert bucket_sizes(1) == (1,)
     assert bucket_sizes(8) == (1, 2, 4, 8)
@@ -180,11 +180,12 @@ def test_cuda_graph_ids_per_bucket_for_the_scheduler_only(full_bundle_dir):
     id, registered with that bucket's shapes and addresses; a StreamingSession on the same model runs
     uncaptured and registers nothing; codes are those of the uncaptured model."""
     from conftest import TEST_DEVICE
+
     from engine.model.buckets import GraphKey
+    from engine.model.tts import TTSModel
+    from engine.offline.session import StreamingSession
     from engine.runtime.bundle import Bundle
     from engine.serving.scheduler import Scheduler
-    from engine.offline.session import StreamingSession
-    from engine.model.tts import TTSModel
 
     def frames(model, n: int) -> list[list]:
         sch = Scheduler(model, slots=4)
@@ -219,8 +220,9 @@ def test_cuda_graphs_flag_reaches_the_model_and_is_refused_off_cuda(full_bundle_
     import logging
 
     from conftest import TEST_DEVICE
-    from engine.runtime.bundle import Bundle
+
     from engine.model.tts import TTSModel
+    from engine.runtime.bundle import Bundle
     from mossrt.cli import build_parser
     from mossrt.commands import cuda_graphs_choice
     from mossrt.serve import load_settings
@@ -313,10 +315,11 @@ def test_a_warmed_scheduler_captures_nothing_after_start(full_bundle_dir):
     it serves: each bucket's backbone and depth graph id exists when ``wait_warm`` returns, and streams
     then register no new id and allocate or bind no buffer; the codes equal an unwarmed scheduler's."""
     from conftest import TEST_DEVICE
+
     from engine.model.buckets import GraphKey, history_windows
+    from engine.model.tts import TTSModel
     from engine.runtime.bundle import Bundle
     from engine.serving.scheduler import Scheduler
-    from engine.model.tts import TTSModel
 
     captured = TTSModel(Bundle(full_bundle_dir, device=TEST_DEVICE))
     captured.cuda_graphs = True                             # what a CUDA placement would decide
@@ -425,11 +428,12 @@ def test_a_nan_prefix_is_refused_at_the_first_frame_after_its_prefill(model):
     never reach the host: the depth call's ``finite`` flag refuses the stream at its first frame, with the
     depth's GraphError, and a stream prefilled beside it in the same tick speaks."""
     from conftest import golden
+
     from engine.errors import GraphError
     from engine.kv.prefix import PrefixCache, prefix_key
+    from engine.model.tts import NON_FINITE_LOGITS
     from engine.serving.runner import StepRunner
     from engine.serving.stream import StreamState
-    from engine.model.tts import NON_FINITE_LOGITS
 
     cache = PrefixCache(64 * 2**20)
     runner = StepRunner(model, 2, 8192, prefix_cache=cache)

@@ -12,7 +12,6 @@ import json
 import httpx
 import numpy as np
 import pytest
-
 from service_helpers import PCM_TOLERANCE, Server, metric, pcm16, wait_for
 
 SHORT = "Hi there."

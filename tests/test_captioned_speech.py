@@ -12,9 +12,9 @@ import json
 import httpx
 import pytest
 import soundfile as sf
+from service_helpers import Server, assert_same_audio, pcm16
 
 from app.alignment.words import WordTimestamps, words_of
-from service_helpers import Server, assert_same_audio, pcm16
 
 TEXT = "Welcome to the world of MOSS TTS Realtime. Experience how text transforms, into speech!"
 SECONDS_PER_BYTE = 1 / 48000          # 24 kHz s16 mono

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import httpx
 import pytest
-
 from service_helpers import Server
 from test_clients_openai import upload
 

@@ -15,7 +15,6 @@ import httpx
 import numpy as np
 import pytest
 import soundfile as sf
-
 from service_helpers import Server, assert_same_audio, pcm16
 from test_elevenlabs_clients import CLIENTS, client_python
 

@@ -10,10 +10,10 @@ import sys
 import numpy as np
 import pytest
 import soundfile as sf
-
-from engine.runtime.manifest import FORMAT_VERSION
 from conftest import GOLDEN, golden, tolerance
+
 from engine.audio.codec import MAX_FRAMES_PER_CALL
+from engine.runtime.manifest import FORMAT_VERSION
 
 
 def mossrt(*args, check=True):
@@ -157,10 +157,10 @@ def test_sharded_bf16_checkpoint_exports(tmp_path):
     import ml_dtypes
     from safetensors.numpy import load_file, save_file
 
+    from engine.audio.codec import Codec
+    from engine.runtime.bundle import Bundle
     from export.bundle import BundleWriter
     from export.codec_export import export_codec
-    from engine.runtime.bundle import Bundle
-    from engine.audio.codec import Codec
 
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()
@@ -184,10 +184,10 @@ def test_sharded_bf16_checkpoint_exports(tmp_path):
 
 
 def test_fp16_codec_bundle(tmp_path):
+    from engine.audio.codec import Codec
+    from engine.runtime.bundle import Bundle
     from export.bundle import BundleWriter
     from export.codec_export import export_codec
-    from engine.runtime.bundle import Bundle
-    from engine.audio.codec import Codec
 
     writer = BundleWriter(tmp_path / "b16")
     export_codec(GOLDEN / "checkpoints/codec", writer, dtype="fp16")
@@ -221,8 +221,8 @@ def test_bench_codec_reports_consistent_figures(codec_bundle_dir, tmp_path):
 
 
 def test_bundle_errors(tmp_path):
-    from engine.runtime.bundle import Bundle
     from engine.errors import BundleError
+    from engine.runtime.bundle import Bundle
 
     with pytest.raises(BundleError, match="no manifest.json"):
         Bundle(tmp_path, device="cpu")

@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 
 import numpy as np
-
 from conftest import golden, tolerance
 
 LONG = "codec/codec_long.npz"
@@ -114,7 +113,6 @@ def test_codec_rings_are_zeroed_and_resident_at_allocation(codec):
     matches the golden. Residency is read per page of the rings themselves: a growth of the process's RSS
     undercounts when the allocator hands back memory an earlier test made resident."""
     import pytest
-
     from conftest import TEST_DEVICE
 
     if TEST_DEVICE != "cpu":

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from conftest import golden, tolerance
 
 SHORT, LONG = "codec/codec_short.npz", "codec/codec_long.npz"
@@ -200,12 +199,12 @@ CODEC_DTYPE_FLOORS = {  # dtype: (min SNR dB, max log-mel distance dB, min share
 @pytest.fixture(scope="module")
 def codec_of(tmp_path_factory):
     """dtype -> the set-a codec exported with that ``--codec-dtype`` (each exported once)."""
-    from engine.runtime.bundle import Bundle
+    from conftest import GOLDEN, TEST_DEVICE
+
     from engine.audio.codec import Codec
+    from engine.runtime.bundle import Bundle
     from export.bundle import BundleWriter
     from export.codec_export import export_codec
-
-    from conftest import GOLDEN, TEST_DEVICE
 
     made = {}
 

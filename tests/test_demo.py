@@ -53,8 +53,9 @@ def test_synth_without_bundle_uses_the_demo_bundle_and_its_turn_ends_near_its_te
     rule (the log says so), at 3.5 frames per text token, not at the frame limit (60 + 10 per token)."""
     import math
 
-    from export.demo import END_FRAMES_PER_TEXT_ID, TOKENIZER_JSON
     from tokenizers import Tokenizer
+
+    from export.demo import END_FRAMES_PER_TEXT_ID, TOKENIZER_JSON
 
     text = "Three short words."
     proc = subprocess.run([sys.executable, "-m", "mossrt.cli", "synth", "--text", text, "--out",
@@ -71,9 +72,9 @@ def test_the_end_rule_is_the_demo_manifests_and_nothing_else(tmp_path, model):
     section) has no rule."""
     import shutil
 
-    from engine.runtime.bundle import Bundle
-    from engine.offline.generate import generate
     from engine.model.tts import TTSModel
+    from engine.offline.generate import generate
+    from engine.runtime.bundle import Bundle
     from export.demo import build_demo_bundle
 
     assert model.demo_end_frames_per_text_id is None and not model.bundle.is_demo

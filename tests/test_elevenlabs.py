@@ -12,7 +12,6 @@ import av
 import numpy as np
 import pytest
 import soxr
-
 from alignment_checks import assert_follows_the_audio, ws_chars
 from service_helpers import LONG_TEXT, PCM_TOLERANCE, TEXT, Server, metric, native_ws_turns, pcm16, wait_for
 
@@ -340,7 +339,6 @@ def test_our_websocket_and_http_take_sample_rate_and_telephony_formats(server):
     """The same rates on our own API: ``sample_rate`` on session.update and /v1/audio/speech, ``ulaw`` /
     ``alaw`` as response_format; lengths follow the rate, and G.711 decodes back near the PCM."""
     import httpx
-    import websockets
 
     ref = pcm16(asyncio.run(native_pcm(server, [TEXT]))).astype(np.float32) / 32767
     want16 = soxr.resample(ref, 24000, 16000, quality="HQ")

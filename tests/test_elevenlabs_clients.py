@@ -16,9 +16,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from service_helpers import PCM_TOLERANCE, Server, native_ws_turns, pcm16
 
 from app.alignment.clock import ALPHABETIC_CPS, RATE_BOUNDS
-from service_helpers import PCM_TOLERANCE, Server, native_ws_turns, pcm16
 
 REPO = Path(__file__).resolve().parents[1]
 CLIENTS = Path(__file__).parent / "clients"

@@ -34,7 +34,6 @@ import re  # noqa: E402
 import time  # noqa: E402
 
 import httpx  # noqa: E402
-
 from service_helpers import Server  # noqa: E402
 
 WS_PATH = "/v1/audio/speech/stream"
@@ -429,10 +428,9 @@ def bombs(tmp_path_factory) -> dict[str, bytes]:
 
 @pytest.mark.parametrize("kind", ["ogg", "flac"])
 def test_decompression_bombs_are_refused_from_their_header(bombs, kind):
+    from app.uploads import decode_upload
     from engine.errors import InputError
     from engine.limits import Limits
-
-    from app.uploads import decode_upload
 
     tracemalloc.start()
     try:
@@ -448,9 +446,8 @@ def test_decompression_bombs_are_refused_from_their_header(bombs, kind):
 def test_multichannel_audio_is_decoded_in_blocks_and_mixed_as_it_goes(tmp_path):
     """A 6-channel file within the limits decodes to mono (the codec's channel average), holding the mono
     result and one block at a time, never every channel of the whole file."""
-    from engine.limits import Limits
-
     from app.uploads import decode_upload
+    from engine.limits import Limits
 
     rng = np.random.default_rng(0)
     wav = (0.1 * rng.standard_normal((48000 * 20, 6))).astype(np.float32)

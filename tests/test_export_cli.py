@@ -83,12 +83,12 @@ def test_sharded_bf16_tts_checkpoint(tmp_path):
     """A bf16 checkpoint split over shards (as published models often are) exports and runs; with
     bf16-rounded weights greedy decoding still follows the float32 goldens for its first frames."""
     import ml_dtypes
+    from conftest import golden
     from safetensors.numpy import load_file, save_file
 
-    from conftest import golden
-    from engine.runtime.bundle import Bundle
-    from engine.offline.generate import generate
     from engine.model.tts import TTSModel
+    from engine.offline.generate import generate
+    from engine.runtime.bundle import Bundle
     from export.bundle import BundleWriter
     from export.codec_export import export_codec
     from export.demo import TOKENIZER_JSON

@@ -13,18 +13,27 @@ import json
 import select
 import signal
 import socket
-import struct
-import subprocess
-import sys
 import threading
 import time
 
 import httpx
 import numpy as np
 import pytest
-
-from service_helpers import (LONG_TEXT, PCM_TOLERANCE, TEXT, Server, body_of, metric, pcm16, raw_request, read_answer,
-                             requests_counted, reset, status_of, wait_for)
+from service_helpers import (
+    LONG_TEXT,
+    PCM_TOLERANCE,
+    TEXT,
+    Server,
+    body_of,
+    metric,
+    pcm16,
+    raw_request,
+    read_answer,
+    requests_counted,
+    reset,
+    status_of,
+    wait_for,
+)
 
 SLOT_BOUND_S = 10          # a freed slot shows in /metrics within this (generous: the machine is shared)
 KEY = "secret-key-1"

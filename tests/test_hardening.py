@@ -13,7 +13,6 @@ import sys
 import numpy as np
 import pytest
 import soundfile as sf
-
 from conftest import GOLDEN, TTS_CHECKPOINT, golden
 
 
@@ -66,10 +65,10 @@ def test_long_voice_is_refused_from_its_header(capsys, tmp_path, full_bundle_dir
 
 
 def test_engine_refuses_long_references_before_encoding(model):
+    from engine.audio.voices import resolve_voice
     from engine.errors import InputError
     from engine.limits import Limits
     from engine.offline.session import StreamingSession
-    from engine.audio.voices import resolve_voice
 
     with pytest.raises(InputError, match="the limit is 30 s"):
         StreamingSession(model, voice_codes=np.zeros((400, 16), np.int64))
@@ -88,8 +87,8 @@ def test_text_that_cannot_be_spoken_whole_is_refused(capsys, tmp_path, full_bund
     assert_clean_error(code, err, "the text has 4000 tokens; a turn of at most 3750 frames can speak at most 3760")
     assert not (tmp_path / "o.wav").exists()
     from engine.errors import ContextLimitError
-    from engine.offline.generate import generate
     from engine.limits import Limits
+    from engine.offline.generate import generate
 
     with pytest.raises(ContextLimitError, match="max_context_rows is 300; at most 238 text tokens fit"):
         generate(model, text="1234567890" * 30, limits=Limits(max_context_rows=300))

@@ -21,7 +21,6 @@ import httpx
 import numpy as np
 import pytest
 import soundfile as sf
-
 from service_helpers import Backend, Server, wait_for
 from transports import LONG
 

@@ -10,7 +10,6 @@ import asyncio
 import json
 
 import pytest
-
 from service_helpers import Server
 
 TEXT_S, IDLE_S = 4, 6

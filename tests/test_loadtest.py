@@ -7,6 +7,7 @@ import asyncio
 import json
 
 import pytest
+from service_helpers import Server
 
 from loadtest import run as loadtest_run
 from loadtest.calls import turn_text
@@ -15,7 +16,6 @@ from loadtest.clients import RequestOptions, fail_record
 from loadtest.runner import RunConfig, Runner
 from loadtest.stats import Playback, StreamRecord
 from loadtest.texts import BUILTIN_TEXTS, split_deltas
-from service_helpers import Server
 
 # short responses keep the test quick: 20 frames = 1.6 s of audio per stream
 COMMON = ["--max-frames", "20", "--warmup", "0", "--pause", "0", "--quiet", "--request-timeout", "30",

@@ -10,7 +10,6 @@ import json
 import os
 import re
 import signal
-import sys
 import time
 from pathlib import Path
 
@@ -18,11 +17,10 @@ import grpc
 import numpy as np
 import pytest
 import soundfile as sf
-
-from app.localai import backend_pb2 as pb
-from app.localai import backend_pb2_grpc as pb_grpc
 from conftest import GOLDEN, TEST_DEVICE, golden
 from service_helpers import LONG_TEXT, PCM_TOLERANCE, TEXT, Backend, pcm16, synth_reference
+
+from app.localai import backend_pb2 as pb
 
 RPC_TIMEOUT = 60
 # LocalAI's backend/backend.proto at the commit the spec names (ecosystem.md: git blob 7be3d5a4)
@@ -288,8 +286,8 @@ def test_tts_without_dst_and_other_model_identity(loaded, backend):
 
 
 def test_voices_by_registered_name_and_by_reference_file(loaded, backend, tmp_path, full_bundle_dir):
-    from engine.runtime.bundle import Bundle
     from app.voices import VoiceRegistry
+    from engine.runtime.bundle import Bundle
 
     codes = np.random.default_rng(0).integers(0, 1024, size=(20, 16))
     VoiceRegistry(backend.voices_dir, Bundle(full_bundle_dir, device="cpu").identity).add("narrator", codes)

@@ -13,13 +13,13 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
+from service_helpers import Server
 
 from app.alignment.characters import Aligner
-from app.normalize import OFF, Switches, language_at, normalize
 from app.alignment.spans import SentAligner
+from app.normalize import OFF, Switches, language_at, normalize
 from app.normalize.examples import EXAMPLES, table
 from app.normalize.rules import RULES
-from service_helpers import Server
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -45,7 +45,6 @@ import schemathesis
 import soundfile as sf
 from schemathesis.config import SchemathesisConfig
 from schemathesis.core.failures import FailureGroup
-
 from service_helpers import Server
 
 SEED = 20241130

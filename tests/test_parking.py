@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from conftest import tts_tolerance
 from service_helpers import wait_for
 from test_scheduler import TEXT_A, TEXT_B, audio, codes, drain_events

@@ -11,12 +11,21 @@ import onnx
 import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper
-
-from engine.runtime.kernel_table import (DATA, OPEN_END, SIGNATURES, TABLES, installed_cpu_kernels, installed_signatures,
-                                 kernel_table, op_key, signatures)
-from engine.runtime.placement import HOST_COPY, NO_KERNEL, PlacementRefused, choose_device, unplaced
 from service_helpers import Server
 from test_hardening import assert_clean_error, run_cli
+
+from engine.runtime.kernel_table import (
+    DATA,
+    OPEN_END,
+    SIGNATURES,
+    TABLES,
+    installed_cpu_kernels,
+    installed_signatures,
+    kernel_table,
+    op_key,
+    signatures,
+)
+from engine.runtime.placement import HOST_COPY, NO_KERNEL, PlacementRefused, choose_device, unplaced
 
 GRAPHS = ("backbone", "depth", "sampling_filter", "codec_decoder", "codec_encoder")
 ELEMENT_TYPES = {TensorProto.DataType.Name(t).lower() for t in TensorProto.DataType.values()} | {"float4e2m1"}
@@ -28,9 +37,10 @@ def graphs_of(bundle_dir):
 
 @pytest.fixture(scope="module")
 def int8_bundle_dir(tmp_path_factory):
+    from conftest import TTS_CHECKPOINT
+
     from export.bundle import BundleWriter
     from export.tts_export import export_tts
-    from conftest import TTS_CHECKPOINT
 
     out = tmp_path_factory.mktemp("bundle_tts_int8_placement")
     writer = BundleWriter(out)
@@ -303,12 +313,12 @@ def test_runtime_helper_graphs_place_on_cuda(monkeypatch, full_bundle_dir):
     codec rings' in-place write, move and position updates) have a kernel for every node on CUDA too: they
     are not in the bundle, so the load-time check never sees them. (Their row counts may come from data:
     they run between steps, never inside a captured one.)"""
-    import engine.runtime.device
     import engine.audio.rings
     import engine.kv.pool
-    from engine.runtime.bundle import Bundle
-    from engine.offline.generate import generate, synthesize
+    import engine.runtime.device
     from engine.model.tts import TTSModel
+    from engine.offline.generate import generate, synthesize
+    from engine.runtime.bundle import Bundle
 
     built: dict[str, bytes] = {}
     real = engine.runtime.device._graph

@@ -7,10 +7,10 @@ import threading
 
 import numpy as np
 import pytest
-
 from conftest import golden, tolerance
-from engine.runtime.device import DeviceTensor
+
 from engine.kv.prefix import prefix_key
+from engine.runtime.device import DeviceTensor
 
 TEXT = ("Welcome to the world of MOSS TTS Realtime. Experience how text transforms into smooth, "
         "human-like speech in real time, one small step after another.")
@@ -104,8 +104,8 @@ def test_prefix_cache_is_bitwise_exact_under_load(model):
 
 
 def test_warm_prefix_equals_a_prefill(model):
-    from engine.serving.scheduler import Scheduler
     from engine.offline.session import StreamingSession
+    from engine.serving.scheduler import Scheduler
 
     voice = golden("tts/tts_multiturn.npz")["voice_prompt_codes"].T
     scheduler = Scheduler(model, slots=1, prefix_cache_bytes=16 * 2**20)
@@ -175,8 +175,8 @@ def test_text_only_turns_copy_the_header_too_and_user_turns_the_system_block(mod
 def test_fp16_kv_slots_and_prefixes(fp32_model, fp16_model):
     """An fp16-compute bundle keeps its KV slots and cached prefixes in float16: half the bytes per row of
     fp32, and a warmed prefix is still bitwise the rows a prefill writes."""
-    from engine.serving.scheduler import Scheduler
     from engine.offline.session import StreamingSession
+    from engine.serving.scheduler import Scheduler
 
     assert fp32_model.kv_dtype == np.float32 and fp16_model.kv_dtype == np.float16
     assert 2 * fp16_model.kv_bytes_per_slot(4096) == fp32_model.kv_bytes_per_slot(4096)
@@ -202,8 +202,8 @@ def test_kv_pool_rows_in_every_compute_dtype(dtype):
     """Prefix uploads, copies into a slot, slot moves, copies out to a prefix and reads keep the pool's own
     type bit for bit (bfloat16 too: onnxruntime's Python API has no numpy bfloat16, so rows travel by
     pointer); bytes per row follow the type."""
-    from engine.runtime.device import KV_DTYPES
     from engine.kv.pool import BackboneKVPool
+    from engine.runtime.device import KV_DTYPES
 
     dt = KV_DTYPES[dtype]
     pool = BackboneKVPool(2, 2, 8, slots=3, rows=16, dtype=dt)
@@ -226,8 +226,8 @@ def test_kv_pool_rows_in_every_compute_dtype(dtype):
 def test_persisted_voice_prefix_follows_the_compute_dtype(tmp_path):
     """A voice's persisted prefix KV is read back only in the bundle's compute dtype (bfloat16 too, which
     numpy saves as raw voids); one of another dtype reads as None, so the voice's prefix is recomputed."""
-    from engine.runtime.device import KV_DTYPES
     from app.voices import VoiceRegistry
+    from engine.runtime.device import KV_DTYPES
 
     registry = VoiceRegistry(tmp_path, "bundle-x")
     rec = registry.add("narrator", np.zeros((3, 16), np.int64))
@@ -257,9 +257,9 @@ def test_a_persisted_voice_prefix_round_trips_through_the_device_cache(model, tm
     """A voice's prefix is read back from the device once to persist it, uploaded once by another scheduler
     (as a restarted server does), and a stream there starts from it: a cache hit that copies the rows, with
     bitwise the KV a plain prefill writes. One larger than the cache's budget is not uploaded."""
-    from engine.serving.scheduler import Scheduler, StreamError, TurnEnd
-    from engine.offline.session import StreamingSession
     from app.voices import VoiceRegistry
+    from engine.offline.session import StreamingSession
+    from engine.serving.scheduler import Scheduler, StreamError, TurnEnd
 
     voice = golden("tts/tts_multiturn.npz")["voice_prompt_codes"].T
     registry = VoiceRegistry(tmp_path, "bundle-x")

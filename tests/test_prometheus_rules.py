@@ -16,7 +16,6 @@ from pathlib import Path
 
 import httpx
 import pytest
-
 from service_helpers import TEST_DEVICE, TEXT, Server, native_ws_turns
 
 REPO = Path(__file__).resolve().parents[1]

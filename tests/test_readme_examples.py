@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 import soundfile as sf
-
 from service_helpers import Server
 from test_elevenlabs_clients import client_python
 

@@ -10,7 +10,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import pytest
-
 from conftest import exact_codes, golden, tolerance
 from service_helpers import wait_for
 

@@ -16,10 +16,19 @@ import httpx
 import numpy as np
 import pytest
 import soundfile as sf
-
 from conftest import TEST_DEVICE, golden
-from service_helpers import (LONG_TEXT, PCM_TOLERANCE, TEXT, Server, assert_same_audio, pcm16, synth_reference,
-                             metric, to_pcm16, wait_for)
+from service_helpers import (
+    LONG_TEXT,
+    PCM_TOLERANCE,
+    TEXT,
+    Server,
+    assert_same_audio,
+    metric,
+    pcm16,
+    synth_reference,
+    to_pcm16,
+    wait_for,
+)
 
 
 @pytest.fixture(scope="module")
@@ -597,8 +606,8 @@ def test_ready_is_503_warming_until_the_buckets_are_warm(full_bundle_dir, tmp_pa
 def test_warm_buckets_flag_and_variable(full_bundle_dir, monkeypatch):
     """``--warm-buckets on|off`` on serve and bench reaches the settings and the model; the default follows
     the CUDA-graph decision (off on CPU); bad values are refused with status 2."""
-    from engine.runtime.bundle import Bundle
     from engine.model.tts import TTSModel
+    from engine.runtime.bundle import Bundle
     from mossrt.cli import build_parser, main
     from mossrt.commands import warm_buckets_choice
     from mossrt.serve import load_settings

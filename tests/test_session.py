@@ -11,7 +11,6 @@ import sys
 import numpy as np
 import pytest
 import soundfile as sf
-
 from conftest import TEST_DEVICE, backbone_hidden, exact_codes, golden, tolerance, tts_tolerance
 
 SPEC_PROMPTS = {

@@ -11,9 +11,8 @@ import threading
 
 import numpy as np
 import pytest
-
 from service_helpers import Server, metric, raw_request, wait_for
-from test_engine_hardening import failing_once, start, turn_end, wait_until
+from test_engine_hardening import failing_once, wait_until
 from test_parking import SHORT, turn, turn_alone
 from test_scheduler import TEXT_A, codes, drain_events
 

@@ -8,7 +8,6 @@ import random
 import unicodedata
 
 import pytest
-
 from conftest import FIXTURES
 
 TEXTS = [

@@ -19,14 +19,52 @@ import time
 import grpc
 import httpx
 import pytest
-
-from service_helpers import (Backend, Server, assert_same_audio, body_of, metric, pcm16, raw_request, read_answer,
-                             requests_counted, reset, status_of, wait_for)
-from transports import (BY_NAME, HTTP_TRANSPORTS, KEY, LONG, WS_TRANSPORTS, raw_upgrade, server_frames,
-                        small_buffer_socket, ws_messages)
-from transports import WYOMING, wyoming_connect, wyoming_error, wyoming_events, wyoming_opening, wyoming_send
-from transports import (ENHANCE_YOUR_CALM, H2_ACK, H2_CONTINUATION, H2_DATA, H2_END_HEADERS, H2_END_STREAM, H2_GOAWAY,
-                        H2_HEADERS, H2_PING, H2_PREFACE, H2_SETTINGS, grpc_request_head, h2_frame, h2_frames, hpack_int)
+from service_helpers import (
+    Backend,
+    Server,
+    assert_same_audio,
+    body_of,
+    metric,
+    pcm16,
+    raw_request,
+    read_answer,
+    requests_counted,
+    reset,
+    status_of,
+    wait_for,
+)
+from transports import (
+    BY_NAME,
+    ENHANCE_YOUR_CALM,
+    H2_ACK,
+    H2_CONTINUATION,
+    H2_DATA,
+    H2_END_HEADERS,
+    H2_END_STREAM,
+    H2_GOAWAY,
+    H2_HEADERS,
+    H2_PING,
+    H2_PREFACE,
+    H2_SETTINGS,
+    HTTP_TRANSPORTS,
+    KEY,
+    LONG,
+    WS_TRANSPORTS,
+    WYOMING,
+    grpc_request_head,
+    h2_frame,
+    h2_frames,
+    hpack_int,
+    raw_upgrade,
+    server_frames,
+    small_buffer_socket,
+    ws_messages,
+    wyoming_connect,
+    wyoming_error,
+    wyoming_events,
+    wyoming_opening,
+    wyoming_send,
+)
 
 SLOT_BOUND_S = 10        # a freed slot shows in /metrics within this (generous: the machine is shared)
 STALL_S, TEXT_S, IDLE_S = 2, 2, 6

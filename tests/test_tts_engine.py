@@ -10,7 +10,6 @@ import sys
 import numpy as np
 import pytest
 import soundfile as sf
-
 from conftest import TEST_DEVICE, backbone_hidden, exact_codes, golden, tolerance
 
 CASES = ["text_only", "voice_clone"]
@@ -23,8 +22,8 @@ TEXTS = {"text_only": "Welcome to the world of MOSS TTS Realtime. Experience how
 def voice_for(model, case):
     if case != "voice_clone":
         return None
-    from engine.limits import Limits
     from engine.audio.voices import resolve_voice
+    from engine.limits import Limits
 
     g = golden("tts/tts_voice_clone.npz")
     return resolve_voice(model, Limits(), wav=(g["ref_wav"], 24000))

@@ -12,7 +12,6 @@ import json
 import numpy as np
 import onnxruntime as ort
 import pytest
-
 from conftest import GOLDEN, TTS_CHECKPOINT, golden, tolerance
 
 CASES = ["text_only", "voice_clone"]

@@ -18,7 +18,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from service_helpers import Server
 
 CHROMIUM = Path(os.environ.get("MOSSRT_CHROMIUM", "/usr/bin/chromium"))

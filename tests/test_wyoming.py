@@ -14,7 +14,6 @@ import httpx
 import numpy as np
 import pytest
 import soundfile as sf
-
 from service_helpers import Server, metric, requests_counted, wait_for
 
 RATE = 24000

@@ -17,7 +17,6 @@ import httpx
 import numpy as np
 import pytest
 import soundfile as sf
-
 from service_helpers import Server, free_port, metric, wait_for
 from test_wyoming import client, until
 

@@ -9,8 +9,8 @@ its last lasting to the end of its audio."""
 
 from __future__ import annotations
 
-from .characters import FRAME_MS, Aligner, Span
 from ..normalize import Normalized
+from .characters import FRAME_MS, Aligner, Span
 
 
 class SentAligner:

@@ -27,10 +27,10 @@ from __future__ import annotations
 import collections
 import ctypes
 import functools
-import itertools
 import gc
 import hashlib
 import hmac
+import itertools
 import json
 import logging
 import os
@@ -46,11 +46,11 @@ from typing import Callable, Iterator, Protocol
 import grpc
 import numpy as np
 
-from engine.runtime.bundle import Bundle
+from engine.audio.voices import read_reference_audio, resolve_voice
 from engine.errors import EngineError, InputError
+from engine.runtime.bundle import Bundle
 from engine.serving.handles import QueueSink
 from engine.serving.stream import FinishReason
-from engine.audio.voices import read_reference_audio, resolve_voice
 
 from ..audio_formats import StreamEncoder
 from ..errors import ApiError, from_engine, grpc_status

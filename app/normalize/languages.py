@@ -52,7 +52,7 @@ def _digit_by_digit(lang, digits: str) -> str:
 
 @functools.lru_cache(maxsize=1)
 def _units():
-    import pint                       # its registry takes ~0.3 s to load: only when a unit is read
+    import pint  # its registry takes ~0.3 s to load: only when a unit is read
 
     return pint.UnitRegistry()
 

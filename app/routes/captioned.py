@@ -18,12 +18,12 @@ import json
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 
-from ..audio_formats import whole_file
 from ..alignment.characters import Aligner
+from ..alignment.words import WordTimestamps, words_of
+from ..audio_formats import whole_file
 from ..schemas import CaptionedSpeechRequest
 from ..session.http import StreamedResponse, whole
 from ..session.policy import require_key
-from ..alignment.words import WordTimestamps, words_of
 from .elevenlabs_http import aligned_chunks, whole_aligned
 from .speech import reply_headers, start_speech
 

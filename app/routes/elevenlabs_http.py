@@ -24,12 +24,12 @@ from engine.errors import EngineError
 from engine.serving.handles import AsyncSink
 
 from ..alignment.characters import CLOCKS, Aligner, Span
+from ..alignment.spans import SentAligner
 from ..elevenlabs.formats import parse_output_format
 from ..elevenlabs.protocol import QuerySeed, Seed
 from ..errors import ELEVENLABS_PREFIXES, HTTP_CODES, ApiError, elevenlabs_client, from_engine, json_error
 from ..metrics import StreamMeter
 from ..normalize import OFF, Switches
-from ..alignment.spans import SentAligner
 from ..service import SamplingFields, TTSService
 from ..session.http import StreamedResponse, StreamEnd, outs, whole
 from ..session.policy import require_speakable

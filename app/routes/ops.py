@@ -6,11 +6,11 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from ..session.policy import require_key
 from ..errors import ApiError
 from ..schemas import AudioModelList, ModelCard, ModelList, Named
-from .elevenlabs_http import model_list, wants_elevenlabs
 from ..service import MODEL_ALIASES, MODEL_ID, TTSService
+from ..session.policy import require_key
+from .elevenlabs_http import model_list, wants_elevenlabs
 
 router = APIRouter()
 

@@ -13,8 +13,9 @@ from starlette.concurrency import run_in_threadpool
 
 from engine.serving.handles import AsyncSink
 
-from ..audio_formats import CONTENT_TYPES, StreamEncoder, whole_file
 from ..alignment.characters import Aligner
+from ..alignment.words import WordTimestamps
+from ..audio_formats import CONTENT_TYPES, StreamEncoder, whole_file
 from ..errors import ApiError
 from ..metrics import StreamMeter
 from ..schemas import SpeechRequest
@@ -23,7 +24,6 @@ from ..session.http import StreamedResponse, StreamEnd, outs, whole
 from ..session.policy import require_key, require_speakable
 from ..session.pump import Audio, Ended, Failed, TurnAudio
 from ..session.utterance import Utterance, aprepare_utterance
-from ..alignment.words import WordTimestamps
 
 router = APIRouter()
 ENDPOINT = "/v1/audio/speech"

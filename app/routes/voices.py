@@ -5,13 +5,13 @@ from __future__ import annotations
 from fastapi import APIRouter, Depends, File, Form, Request, UploadFile
 from starlette.concurrency import run_in_threadpool
 
-from engine.errors import InputError, VoiceExistsError, VoiceLimitError
 from app.voices import VOICE_NAME_PATTERN
+from engine.errors import InputError, VoiceExistsError, VoiceLimitError
 
-from ..session.policy import require_key
 from ..errors import ApiError
 from ..schemas import DeletedVoice, Named, VoiceList, VoiceObject
 from ..service import DEFAULT_VOICE, OPENAI_VOICES, TTSService
+from ..session.policy import require_key
 from ..uploads import decode_upload
 
 router = APIRouter(dependencies=[Depends(require_key)])

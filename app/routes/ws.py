@@ -17,8 +17,8 @@ from fastapi import APIRouter, WebSocket
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, ValidationError
 from starlette.concurrency import run_in_threadpool
 
-from engine.errors import EngineError, InputError
 from engine.audio.voices import resolve_voice
+from engine.errors import EngineError, InputError
 
 from ..audio_formats import MAX_OUT_RATE, MIN_OUT_RATE, StreamEncoder
 from ..errors import ApiError, from_engine

@@ -19,9 +19,9 @@ import time
 import numpy as np
 
 from engine.errors import ContextEvictedError, EngineError, InputError
-from engine.serving.handles import AsyncSink, StreamHandle
 from engine.model.sampling import SamplingParams
 from engine.model.tokenizer import check_unicode
+from engine.serving.handles import AsyncSink, StreamHandle
 
 from ..errors import ApiError, from_engine
 from .policy import SessionPolicy

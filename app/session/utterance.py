@@ -13,14 +13,14 @@ import anyio.to_thread
 import numpy as np
 
 from engine.errors import ContextLimitError, InputError, TextTooLongError
+from engine.model.sampling import SamplingParams
 from engine.offline.generate import utterance_ids
 from engine.serving.handles import EventSink, StreamHandle
-from engine.model.sampling import SamplingParams
 
 from ..alignment.characters import Aligner
+from ..alignment.spans import SentAligner
 from ..errors import ApiError
 from ..normalize import OFF, BudgetExceeded, Normalized, Switches, Work, normalize
-from ..alignment.spans import SentAligner
 from .policy import speakable
 
 DISCONNECT_POLL_S = 0.1             # how often a normalizing request looks whether its client is still there

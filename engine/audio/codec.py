@@ -5,10 +5,10 @@ from __future__ import annotations
 import numpy as np
 import soxr
 
-from engine.runtime.bundle import Bundle
 from engine.audio.codec_stream import StreamingDecoder
-from engine.errors import InputError
 from engine.audio.rings import RingStage, RingState
+from engine.errors import InputError
+from engine.runtime.bundle import Bundle
 
 # Frames per graph call when the caller does not chunk: bounds the [T, context+T] attention scores.
 MAX_FRAMES_PER_CALL = 250

@@ -8,8 +8,8 @@ from collections import Counter
 import numpy as np
 from onnx import TensorProto
 
-from engine.errors import GraphError, InputError
 from engine.audio.rings import MAX_CACHED_SHAPES, RingState
+from engine.errors import GraphError, InputError
 from engine.runtime.timing import CallTiming
 
 

@@ -7,7 +7,6 @@ from dataclasses import dataclass
 
 import numpy as np
 import onnxruntime as ort
-
 from onnx import TensorProto, helper, numpy_helper
 
 from engine.runtime.device import DeviceTensor, ZeroFill, _graph, helper_options

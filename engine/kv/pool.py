@@ -8,10 +8,8 @@ moved into the hole (one copy of its filled rows) so the active slots stay a pre
 
 from __future__ import annotations
 
-
 import numpy as np
 import onnxruntime as ort
-
 from onnx import helper
 
 from engine.runtime.device import ELEMENT, DeviceTensor, SlotRows, _graph, helper_options, slot_rows, stacked_rows

@@ -25,9 +25,9 @@ import numpy as np
 import onnxruntime as ort
 from onnx import helper
 
-from engine.runtime.device import ELEMENT, DeviceTensor, LastRow
 from engine.errors import InputError
 from engine.model.sampling import MAX_REPETITION_WINDOW, SamplingParams
+from engine.runtime.device import ELEMENT, DeviceTensor, LastRow
 
 MIN_HISTORY_WINDOW = 64     # depth history windows are bound in power-of-two sizes from here
 # runs of each call in a warm-up that captures: onnxruntime's CUDA provider captures a graph id after its

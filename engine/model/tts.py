@@ -13,16 +13,16 @@ import time
 import numpy as np
 import onnxruntime as ort
 
-from engine.model.buckets import BucketBuffers, GraphKey, GraphRegistry, capture_decision
-from engine.runtime.bundle import Bundle
 from engine.audio.codec import Codec
-from engine.runtime.device import KV_DTYPES, DeviceTensor
 from engine.errors import BundleError, GraphError, InputError
 from engine.kv.pool import BackboneKVPool
+from engine.model.buckets import BucketBuffers, GraphKey, GraphRegistry, capture_decision
 from engine.model.prompt import GridLayout, PromptBuilder
 from engine.model.sampling import SamplingParams
-from engine.runtime.timing import CallTiming
 from engine.model.tokenizer import TextTokenizer
+from engine.runtime.bundle import Bundle
+from engine.runtime.device import KV_DTYPES, DeviceTensor
+from engine.runtime.timing import CallTiming
 
 
 def check_compute_dtype(compute_dtype: str, device: str) -> None:

@@ -12,13 +12,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from engine.audio.voices import resolve_voice
 from engine.errors import InputError
 from engine.limits import Limits
 from engine.model.sampling import SamplingParams
 from engine.offline.session import StreamingSession
-from engine.serving.stream import FinishReason, playable
 from engine.offline.turn import run_turn
-from engine.audio.voices import resolve_voice
+from engine.serving.stream import FinishReason, playable
 
 
 @dataclass

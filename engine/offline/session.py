@@ -28,8 +28,8 @@ import numpy as np
 
 from engine.errors import ConcurrentUseError, GraphError, InputError
 from engine.limits import Limits
-from engine.serving.runner import DEFAULT_PREFILL_CHUNK_ROWS, StepRunner
 from engine.model.sampling import SamplingParams
+from engine.serving.runner import DEFAULT_PREFILL_CHUNK_ROWS, StepRunner
 from engine.serving.stream import Frame, StreamState, TurnState, TurnStats
 
 

@@ -10,7 +10,6 @@ the very same graphs run, and every test exercises them.
 
 from __future__ import annotations
 
-
 import ml_dtypes
 import numpy as np
 import onnx

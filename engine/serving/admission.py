@@ -36,7 +36,14 @@ from typing import Callable, Protocol
 
 import numpy as np
 
-from engine.errors import CapacityError, ContextEvictedError, EngineBrokenError, InputError, OverloadError, StreamClosedError
+from engine.errors import (
+    CapacityError,
+    ContextEvictedError,
+    EngineBrokenError,
+    InputError,
+    OverloadError,
+    StreamClosedError,
+)
 from engine.kv.parking import ParkedContexts
 
 

@@ -16,9 +16,9 @@ import threading
 from dataclasses import dataclass
 from typing import Callable, Protocol
 
-from engine.serving.admission import Admission
 from engine.errors import ContextEvictedError, InputError, StreamClosedError
 from engine.model.sampling import SamplingParams
+from engine.serving.admission import Admission
 from engine.serving.stream import Frame, StreamState, TurnInputs, TurnStats
 
 

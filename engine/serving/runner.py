@@ -33,14 +33,21 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from engine.model.buckets import (CAPTURE_WARM_RUNS, BucketBuffers, BufferStats, PrefillBuffers, bucket_for, bucket_sizes,
-                      history_windows)
 from engine.audio.codec import MAX_FRAMES_PER_CALL
 from engine.errors import CapacityError, GraphError, InputError
 from engine.kv.prefix import PrefixCache, prefix_key
-from engine.serving.stream import Frame, StepRequest, StreamState, TurnStats
-from engine.runtime.timing import CallTiming
+from engine.model.buckets import (
+    CAPTURE_WARM_RUNS,
+    BucketBuffers,
+    BufferStats,
+    PrefillBuffers,
+    bucket_for,
+    bucket_sizes,
+    history_windows,
+)
 from engine.model.tts import NON_FINITE_LOGITS
+from engine.runtime.timing import CallTiming
+from engine.serving.stream import Frame, StepRequest, StreamState, TurnStats
 
 log = logging.getLogger("mossrt.runner")
 

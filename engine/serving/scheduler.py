@@ -19,16 +19,30 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from engine.serving.admission import Admission
-from engine.model.buckets import history_windows
-from engine.runtime.device import DeviceTensor
 from engine.errors import CapacityError, EngineError, InputError, OverloadError, StreamClosedError
-from engine.serving.handles import AsyncSink, Event, EventSink, FrameEvent, QueueSink, StreamError, StreamHandle, TurnEnd
-from engine.limits import Limits
 from engine.kv.parking import ParkingStats
 from engine.kv.prefix import PrefixCache, prefix_key
-from engine.serving.runner import DEFAULT_PREFILL_CHUNK_ROWS, DEFAULT_PREFILL_ROWS_PER_TICK, SERVICE_CODEC_SCHEDULE, StepRunner
+from engine.limits import Limits
+from engine.model.buckets import history_windows
 from engine.model.sampling import SamplingParams
+from engine.runtime.device import DeviceTensor
+from engine.serving.admission import Admission
+from engine.serving.handles import (
+    AsyncSink,
+    Event,
+    EventSink,
+    FrameEvent,
+    QueueSink,
+    StreamError,
+    StreamHandle,
+    TurnEnd,
+)
+from engine.serving.runner import (
+    DEFAULT_PREFILL_CHUNK_ROWS,
+    DEFAULT_PREFILL_ROWS_PER_TICK,
+    SERVICE_CODEC_SCHEDULE,
+    StepRunner,
+)
 from engine.serving.stream import StreamState
 
 log = logging.getLogger("mossrt.scheduler")

@@ -30,12 +30,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from engine.audio.voices import resolve_voice
 from engine.errors import ContextLimitError, InputError, StreamClosedError
 from engine.limits import Limits
 from engine.model.sampling import FrameRandom, SamplingParams
 from engine.model.textstream import TextCommitter, TokenizationDrift
 from engine.model.tokenizer import check_unicode
-from engine.audio.voices import resolve_voice
 
 log = logging.getLogger("mossrt.stream")
 

@@ -9,7 +9,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from . import fatbin
-from .pack import MIB, compress, member_names, read_member, repack_wheel, sha256_file, split, stored_size
+from .pack import MIB, compress, member_names, read_member, repack_wheel, sha256_file, split
 from .plan import DEFAULT_TRANSFER_MIB, travelling_bytes
 from .resolve import HostPackage, Resolution, Target, canonical, download, resolve
 

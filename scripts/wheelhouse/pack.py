@@ -258,7 +258,7 @@ def join(parts_dir: Path, dest: Path) -> dict:
                     out.write(block)
     if whole.hexdigest() != manifest["archive"]["sha256"]:
         archive.unlink()
-        raise PartsError(f"the joined archive's sha256 is not the manifest's: the parts are from different builds")
+        raise PartsError("the joined archive's sha256 is not the manifest's: the parts are from different builds")
     verified = time.monotonic()
     try:
         with tarfile.open(archive, "r:xz") as tar:

@@ -16,7 +16,6 @@ import sys
 
 from pipecat.frames.frames import EndFrame
 from pipecat.pipeline.runner import PipelineRunner
-
 from pipecat_elevenlabs import tts_pipeline, utterance
 
 TURN_TIMEOUT_S = 300        # beyond the server's queue timeout: a refused turn fails here, it never hangs

@@ -14,8 +14,16 @@ import base64
 import json
 import sys
 
-from pipecat.frames.frames import (EndFrame, InterruptionFrame, LLMFullResponseEndFrame, LLMFullResponseStartFrame,
-                                   LLMTextFrame, TTSAudioRawFrame, TTSStoppedFrame, TTSTextFrame)
+from pipecat.frames.frames import (
+    EndFrame,
+    InterruptionFrame,
+    LLMFullResponseEndFrame,
+    LLMFullResponseStartFrame,
+    LLMTextFrame,
+    TTSAudioRawFrame,
+    TTSStoppedFrame,
+    TTSTextFrame,
+)
 from pipecat.pipeline.pipeline import Pipeline
 from pipecat.pipeline.runner import PipelineRunner
 from pipecat.pipeline.task import PipelineParams, PipelineTask
