@@ -32,13 +32,13 @@ class Limits:
     max_context_rows: int = DEFAULT_MAX_CONTEXT_ROWS   # rows of one stream's KV context (its slot size)
     max_frames: int = HARD_MAX_FRAMES   # frames of one turn
 
-    def __post_init__(self):
-        def whole(name, lo, hi):
+    def __post_init__(self) -> None:
+        def whole(name: str, lo: int, hi: int) -> None:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
                 raise InputError(f"{name} must be an integer in {lo}..{hi}, got {v!r}")
 
-        def real(name, lo, hi):
+        def real(name: str, lo: float, hi: float) -> None:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not lo <= v <= hi:
                 raise InputError(f"{name} must be a number in {lo}..{hi}, got {v!r}")
@@ -85,7 +85,9 @@ class Limits:
             raise InputError(f"{what} has sample rate {sample_rate!r} Hz; supported: {self.min_sample_rate}.."
                              f"{self.max_sample_rate} Hz")
 
-    def check_max_frames(self, max_frames) -> int | None:
+    def check_max_frames(self, max_frames: object) -> int | None:
+        """``max_frames`` as given (None: the default applies), or an InputError when it is not an integer
+        in 1..``self.max_frames``."""
         if max_frames is None:
             return None
         if isinstance(max_frames, bool) or not isinstance(max_frames, int) or not 1 <= max_frames <= self.max_frames:

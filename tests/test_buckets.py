@@ -94,7 +94,8 @@ def test_a_padded_bucket_equals_the_unpadded_batch(model):
 
     # depth: sampled rows (penalty, top-k/top-p, draws) in the bucket vs the three-row call
     rng = np.random.default_rng(3)
-    params = [model.default_sampling(), model.default_sampling(temperature=1.2, top_k=5), model.default_sampling(greedy=True)]
+    params = [model.default_sampling(), model.default_sampling(temperature=1.2, top_k=5),
+              model.default_sampling(greedy=True)]
     history = rng.integers(0, model.layout.codebook_size, (3, 50, model.layout.codebooks))
     uniform = rng.random((3, model.layout.codebooks), dtype=np.float32)
     first = np.array([False, True, False])
@@ -249,7 +250,8 @@ def _run_turns(runner, model, seeds: list[int], turns: int = 2,
 
     from engine.serving.stream import StreamState
 
-    params = lambda s: replace(model.default_sampling(), **({"repetition_window": windows[s]} if s in (windows or {}) else {}))
+    params = lambda s: replace(model.default_sampling(),
+                               **({"repetition_window": windows[s]} if s in (windows or {}) else {}))
     streams = [StreamState(model, params=params(s), seed=s) for s in seeds]
     for st in streams:
         runner.attach(st)
@@ -264,7 +266,7 @@ def _run_turns(runner, model, seeds: list[int], turns: int = 2,
             for st, frame in result.frames:
                 out[streams.index(st)].append((frame.codes.tolist(), frame.audio))
             if all(st.turn_done and not st.in_flight for st in streams) and not any(
-                    e.pending for e in runner._entries):
+                    e.pending for e in runner.entries):
                 break
         else:
             pytest.fail("the turn did not end")
@@ -288,17 +290,17 @@ def test_warm_up_makes_every_call_shape_before_any_stream(model):
     np.testing.assert_array_equal(warm.kv.lengths, lengths)
     np.testing.assert_array_equal(warm.decoder.state.positions.numpy(), positions)
     np.testing.assert_array_equal(warm.decoder.frame_positions, positions[:-1])
-    made = (warm.buffer_stats.allocations, warm.buffer_stats.bindings, set(warm._buckets),
+    made = (warm.buffer_stats.allocations, warm.buffer_stats.bindings, set(warm.buckets),
             set(warm.decoder._calls), warm.decoder.state.device_buffers())
     assert made[2] == {1, 2, 4, 8} and made[3] == {(n, f) for n in (1, 2, 4, 8) for f in (1, 2, 4, 6)}
     assert all(set(b._depth) == set(history_windows()) == {64, 128, 256, 512, 1024, 2048, 4096}
-               for b in warm._buckets.values())
+               for b in warm.buckets.values())
     assert warm.timing.step.calls == 0 and not warm.decoder.call_shapes     # warm-up calls are not measured
 
     seeds, windows = [11, 12, 13, 14, 15], {12: 4096, 14: 300}             # windows of 4,096 and 512 frames
     got = _run_turns(warm, model, seeds, windows=windows)
     assert warm.timing.step.calls > 0 and set(warm.decoder.call_shapes) <= made[3]
-    assert (warm.buffer_stats.allocations, warm.buffer_stats.bindings, set(warm._buckets),
+    assert (warm.buffer_stats.allocations, warm.buffer_stats.bindings, set(warm.buckets),
             set(warm.decoder._calls), warm.decoder.state.device_buffers()) == made
     ref = _run_turns(StepRunner(model, 8, 8192, codec_schedule=SERVICE_CODEC_SCHEDULE), model, seeds, windows=windows)
     assert [[c for c, _ in s] for s in got] == [[c for c, _ in s] for s in ref]
@@ -392,7 +394,7 @@ def test_prefill_hidden_stays_on_the_device(model, monkeypatch):
     prefills = runner.timing.prefill.calls
     H = model.config.hidden
     fixed = {runner.prefill_buffers.hidden.value.data_ptr()} | {b.hidden.value.data_ptr()
-                                                                for b in runner._buckets.values()}
+                                                                for b in runner.buckets.values()}
     hidden_binds, downloads = [], []
     bind_output, numpy = ort.IOBinding.bind_output, ort.OrtValue.numpy
 

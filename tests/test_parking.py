@@ -179,9 +179,9 @@ def test_idle_streams_in_slots_do_not_inflate_the_batch_bucket(model):
         a, b = scheduler.open_stream(params=params), scheduler.open_stream(params=params)
         turn(a, ids_a)
         got_b = turn(b, ids_b)
-        assert sorted(scheduler.runner._buckets) == [1], sorted(scheduler.runner._buckets)
+        assert sorted(scheduler.runner.buckets) == [1], sorted(scheduler.runner.buckets)
         second_a = turn(a, ids_b)             # A's second turn: B idle below it now, so A moves down too
-        assert sorted(scheduler.runner._buckets) == [1]
+        assert sorted(scheduler.runner.buckets) == [1]
         assert scheduler.runner.context_kv(a.stream).shape[3] == a.context_rows
     finally:
         scheduler.stop()

@@ -340,7 +340,7 @@ def test_admission_is_first_come_first_served_and_a_closed_slot_is_free_at_once(
 def test_codec_chunking_policy():
     """Frames go to the codec in the schedule's chunks; early only while that keeps playback going, and
     never in small calls for a listener already starved by a stream slower than real time."""
-    from engine.serving.runner import frames_to_decode
+    from engine.serving.pacing import frames_to_decode
 
     fast, slow, codec, frame = 0.02, 0.3, 0.1, 0.08      # tick durations faster / slower than one 80 ms frame
     assert frames_to_decode(1, False, 1, None, slow, codec, frame) == 1          # the first chunk: at once

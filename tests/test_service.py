@@ -600,7 +600,7 @@ def test_ready_is_503_warming_until_the_buckets_are_warm(full_bundle_dir, tmp_pa
         assert service.wait_ready(120), service.error
         assert client.get("/ready").status_code == 200
         runner = service.scheduler.runner
-        assert runner.warmed and set(runner._buckets) == {1, 2, 4} and service.scheduler.warm_seconds is not None
+        assert runner.warmed and set(runner.buckets) == {1, 2, 4} and service.scheduler.warm_seconds is not None
 
 
 def test_warm_buckets_flag_and_variable(full_bundle_dir, monkeypatch):

@@ -136,7 +136,7 @@ def test_a_finished_http_stream_is_not_parked_while_its_reader_is_slow(one_slot_
         slow.close()
 
 
-# ---------------------------------------------------------------------------------------------- a turn failing after admission
+# --------------------------------------------------------------------------------------- a turn failing after admission
 def test_a_turn_refused_for_its_inputs_takes_no_slot(model):
     """A turn whose prompt does not fit the stream's context is refused before it asks for a slot, so the
     loop can never attach it for a turn that never opens (before: when the loop took it between the
@@ -275,7 +275,7 @@ def test_a_failing_codec_ring_move_leaves_the_moved_stream_whole(model):
         for h in (a, b, c):
             turn(h, model.tokenizer.encode(SHORT))
         wait_until(lambda: sch.stats().generating == 0, 30, "three idle streams")
-        by_slot = {e.slot: e.stream for e in sch.runner._entries}       # where the trades left them
+        by_slot = {e.slot: e.stream for e in sch.runner.entries}       # where the trades left them
         first, moved = next(h for h in (a, b, c) if h.stream is by_slot[0]), by_slot[2]
         other = next(h for h in (a, b, c) if h.stream not in (by_slot[0], moved))
         before = {id(h.stream): sch.runner.context_kv(h.stream) for h in (a, b, c)}
@@ -333,7 +333,7 @@ def test_a_failing_slot_trade_fails_no_stream_and_loses_no_context(model, copy):
         assert codes(got_b).shape == codes(ref_b).shape
 
 
-# ---------------------------------------------------------------------------------------------- the budget before the copy
+# ------------------------------------------------------------------------------------------ the budget before the copy
 def counting_park_rows(sch) -> list:
     calls = []
     real = sch.runner.kv.park_rows

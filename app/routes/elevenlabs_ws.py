@@ -361,7 +361,7 @@ class ElevenLabsSession(WireSession):
         params = self.service.sampling(SamplingFields(greedy=self.service.settings.elevenlabs_greedy or None))
         if conv.context_rows > (1 - FRESH_CONTEXT_BELOW) * self.service.limits.max_context_rows:
             log.info("conversation context full (%d rows): the next turn starts a fresh one", conv.context_rows)
-            conv.fresh()
+            conv.close_stream_for_fresh_context()
         meter = StreamMeter(self.metrics, self.protocol)
         if not await self._await_turn(params):
             return False
@@ -399,7 +399,7 @@ class ElevenLabsSession(WireSession):
         except ApiError as e:
             if e.code != "input_too_long" or conv.handle is None:
                 raise
-            conv.fresh()                                 # the conversation is full: continue on a fresh context
+            conv.close_stream_for_fresh_context()                                 # the conversation is full: continue on a fresh context
             await conv.begin_turn(params)
 
     # ------------------------------------------------------------------ the turn's events

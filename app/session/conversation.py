@@ -15,21 +15,30 @@ something to speak): an empty delta, or one that commits nothing while the turn 
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
+from typing import Protocol
 
 import numpy as np
 
 from engine.errors import ContextEvictedError, EngineError, InputError
 from engine.model.sampling import SamplingParams
 from engine.model.tokenizer import check_unicode
-from engine.serving.handles import AsyncSink, StreamHandle
+from engine.serving.handles import AsyncSink, EventSink, StreamHandle
 
 from ..errors import ApiError, from_engine
 from .policy import SessionPolicy
 
 
+class StreamOpener(Protocol):
+    """What a conversation needs of the service (``app.service.TTSService``): a scheduler stream."""
+
+    def open_stream(self, voice_codes: np.ndarray | None, params: SamplingParams, seed: int | None,
+                    sink: EventSink, *, may_park_others: bool = True) -> StreamHandle: ...
+
+
 class Conversation:
-    def __init__(self, service, policy: SessionPolicy, voice_codes: np.ndarray | None, seed: int | None,
-                 may_park_others: bool = True):
+    def __init__(self, service: StreamOpener, policy: SessionPolicy, voice_codes: np.ndarray | None,
+                 seed: int | None, may_park_others: bool = True) -> None:
         """``may_park_others`` False: the stream's turns take only a free slot, never park another stream's
         context to make room (``Scheduler.open_stream``)."""
         self.service, self.policy = service, policy
@@ -48,22 +57,30 @@ class Conversation:
                                                    may_park_others=self.may_park_others)
         return self.handle
 
+    def _begun(self) -> StreamHandle:
+        """The stream of a conversation whose first turn began (a transport calls nothing else before)."""
+        if self.handle is None:
+            raise RuntimeError("no turn was begun on this conversation")
+        return self.handle
+
     @property
     def context_rows(self) -> int:
+        """Rows of the stream's context (0 before its first turn)."""
         return self.handle.context_rows if self.handle is not None else 0
 
-    def fresh(self) -> None:
+    def close_stream_for_fresh_context(self) -> None:
         """The next turn starts on a new stream (its context empty); this one's slot is freed."""
         if self.handle is not None:
             self.handle.close()
             self.handle = None
 
     def close(self) -> None:
+        """Close the stream (its slot is freed); the handle stays for reading."""
         if self.handle is not None:
             self.handle.close()
 
     # ------------------------------------------------------------------ turns
-    async def begin_turn(self, params: SamplingParams, user_text: str = "", user_audio=None,
+    async def begin_turn(self, params: SamplingParams, user_text: str = "", user_audio: np.ndarray | None = None,
                          max_frames: int | None = None) -> None:
         """Open a turn, waiting for a stream slot (the queue timeout) unless the stream still holds one (a
         parked stream takes one again). Raises the catalogue's error: ``max_turns``, ``no_capacity``,
@@ -77,7 +94,7 @@ class Conversation:
             except ContextEvictedError:
                 # its parked context was dropped (the parked-context budget): as when a context is full, the
                 # turn goes on a fresh stream; the transport tells its client (context_lost)
-                self.fresh()
+                self.close_stream_for_fresh_context()
                 self.context_lost = True
                 await self._stream(params).abegin_turn(user_text, user_audio, None, max_frames, params)
         except EngineError as e:
@@ -111,28 +128,32 @@ class Conversation:
     def push_text(self, text: str) -> int:
         """Text into the open turn (checked with :meth:`check_text` first, and held to the text buffer by the
         transport: :meth:`SessionPolicy.check_buffer` over its :class:`~app.session.policy.TextLedger`)."""
-        return self._progress(self.handle.push_text(text))
+        return self._progress(self._begun().push_text(text))
 
-    def push_ids(self, ids) -> int:
-        return self._progress(self.handle.push_token_ids(ids))
+    def push_ids(self, ids: Iterable[int]) -> int:
+        """Token ids into the open turn."""
+        return self._progress(self._begun().push_token_ids(ids))
 
     def _progress(self, committed: int) -> int:
-        if committed or not self.handle.stream.waiting_for_text:
+        if committed or not self._begun().stream.waiting_for_text:
             self._waiting_since = None           # re-armed when the turn is next seen waiting
         return committed
 
     def end_text(self) -> None:
+        """End the open turn's text (a no-op when the stream closed or its text ended meanwhile)."""
         try:
-            self.handle.end_text()
+            self._begun().end_text()
         except EngineError:
             pass                                 # the stream closed or its text ended meanwhile
 
     def cancel(self) -> None:
+        """Barge-in: end the open turn now."""
         if self.handle is not None and not self.handle.closed:
             self.handle.cancel()
 
     def truncate_turn(self, frames: int) -> int:
-        return self.handle.truncate_turn(frames)
+        """Keep of the ended turn what a listener of ``frames`` frames heard; returns the context rows kept."""
+        return self._begun().truncate_turn(frames)
 
     # ------------------------------------------------------------------ the text clock
     def text_deadline(self, now: float) -> float | None:

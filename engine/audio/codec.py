@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import numpy as np
+import numpy.typing as npt
 import soxr
 
 from engine.audio.codec_stream import StreamingDecoder
@@ -17,7 +20,7 @@ MAX_FRAMES_PER_CALL = 250
 class Codec:
     """Codec graphs of a bundle. Thread-safe: every call owns its state (decoders are per caller)."""
 
-    def __init__(self, bundle: Bundle):
+    def __init__(self, bundle: Bundle) -> None:
         self.bundle = bundle
         self.spec = bundle.section("codec").spec
         self.sample_rate: int = self.spec.sample_rate
@@ -37,6 +40,7 @@ class Codec:
 
     # ------------------------------------------------------------------ validation helpers
     def check_n_quantizers(self, n_quantizers: int) -> int:
+        """``n_quantizers`` as an int, or an InputError when it is not an integer in 1..num_quantizers."""
         if not isinstance(n_quantizers, (int, np.integer)) or not 1 <= n_quantizers <= self.num_quantizers:
             raise InputError(f"n_quantizers must be an integer in 1..{self.num_quantizers}, got {n_quantizers!r}")
         return int(n_quantizers)
@@ -45,7 +49,7 @@ class Codec:
         """All levels the codes carry (at most the codec's); rank errors are reported by check_codes."""
         return max(1, min(codes.shape[-1], self.num_quantizers)) if codes.ndim else 1
 
-    def check_codes(self, codes, n_quantizers: int, batched: bool = False) -> np.ndarray:
+    def check_codes(self, codes: npt.ArrayLike, n_quantizers: int, batched: bool = False) -> npt.NDArray[np.int64]:
         """Validate codes ``[frames, K]`` (``[batch, frames, K]`` when batched), K >= n_quantizers, and
         return them as int64 ``[batch, frames, num_quantizers]`` (levels >= K filled with 0, never read)."""
         arr = np.asarray(codes)
@@ -71,7 +75,7 @@ class Codec:
         out[..., :n_quantizers] = arr[..., :n_quantizers]
         return out
 
-    def prepare_waveform(self, wav, sample_rate: int) -> np.ndarray:
+    def prepare_waveform(self, wav: npt.ArrayLike, sample_rate: int) -> npt.NDArray[np.float32]:
         """Mono float32 at the codec rate: channels ``[N, C]`` are averaged, other rates resampled (soxr)."""
         x = np.asarray(wav, dtype=np.float32)
         if x.ndim == 2:
@@ -89,7 +93,8 @@ class Codec:
         return x
 
     # ------------------------------------------------------------------ encode
-    def encode(self, wav, sample_rate: int, chunk_frames: int = MAX_FRAMES_PER_CALL) -> np.ndarray:
+    def encode(self, wav: npt.ArrayLike, sample_rate: int,
+               chunk_frames: int = MAX_FRAMES_PER_CALL) -> npt.NDArray[np.int64]:
         """Waveform → codes ``[ceil(N/1920), num_quantizers]`` int64 (upstream rule: zero-pad the tail).
 
         Runs the streaming encoder in chunks; the ring state makes any chunking equal to one pass.
@@ -103,7 +108,7 @@ class Codec:
         padded[: x.size] = x
         sess = self.bundle.session("codec_encoder")
         state = RingState("encoder", self.encoder_stages, 1, self.bundle.device, self.bundle.providers)
-        out = []
+        out: list[npt.NDArray[np.int64]] = []
         for f0 in range(0, total, chunk_frames):
             n = min(chunk_frames, total - f0)
             binding = sess.io_binding()
@@ -112,26 +117,28 @@ class Codec:
             binding.bind_output("codes", "cpu")   # first bound: get_outputs()[0]
             state.bind(binding, 1, n)
             sess.run_with_iobinding(binding)
-            codes = binding.get_outputs()[0].numpy()
+            codes: npt.NDArray[np.int64] = binding.get_outputs()[0].numpy()
             state.advance(1, np.array([n], np.int64), n)
             out.append(codes[0])
         return np.concatenate(out, 0)
 
     # ------------------------------------------------------------------ decode
     def streaming_decoder(self, slots: int = 1, n_quantizers: int = 16) -> StreamingDecoder:
+        """A decoder of ``slots`` streams of its own (its rings on the bundle's device)."""
         return StreamingDecoder(self, slots, n_quantizers)
 
     @staticmethod
-    def check_chunk_sizes(sizes) -> list[int]:
+    def check_chunk_sizes(sizes: Iterable[int]) -> list[int]:
         """Frames per decoder/encoder call: integers in 1..MAX_FRAMES_PER_CALL (bounded attention scores)."""
-        sizes = list(sizes)
-        if not sizes or any(isinstance(n, bool) or not isinstance(n, (int, np.integer))
-                            or not 1 <= n <= MAX_FRAMES_PER_CALL for n in sizes):
-            raise InputError(f"chunk sizes must be integers in 1..{MAX_FRAMES_PER_CALL}, got {sizes[:8]}")
-        return [int(n) for n in sizes]
+        chunks = list(sizes)
+        if not chunks or any(isinstance(n, bool) or not isinstance(n, (int, np.integer))
+                            or not 1 <= n <= MAX_FRAMES_PER_CALL for n in chunks):
+            raise InputError(f"chunk sizes must be integers in 1..{MAX_FRAMES_PER_CALL}, got {chunks[:8]}")
+        return [int(n) for n in chunks]
 
-    def decode(self, codes, n_quantizers: int | None = None, max_frames_per_call: int = MAX_FRAMES_PER_CALL,
-               schedule: list[int] | None = None, decoder: StreamingDecoder | None = None) -> np.ndarray:
+    def decode(self, codes: npt.ArrayLike, n_quantizers: int | None = None,
+               max_frames_per_call: int = MAX_FRAMES_PER_CALL, schedule: list[int] | None = None,
+               decoder: StreamingDecoder | None = None) -> npt.NDArray[np.float32]:
         """Codes ``[frames, K]`` → waveform ``[frames * 1920]`` float32 using the first n_quantizers (default K).
 
         The frames go through the streaming decoder (``decoder``, a fresh one by default) in calls of
@@ -143,11 +150,13 @@ class Codec:
         checked = self.check_codes(arr, nq)
         sizes = self.check_chunk_sizes(schedule if schedule else [max_frames_per_call])
         dec = decoder if decoder is not None else self.streaming_decoder(1, nq)
-        parts, f = [], 0
+        parts: list[npt.NDArray[np.float32]] = []
+        f = 0
         while f < checked.shape[1]:
             n = sizes[min(len(parts), len(sizes) - 1)]
             parts.append(dec.decode_checked(checked[:, f:f + n]))
             f += n
-        return np.concatenate(parts, 1)[0]
+        audio: npt.NDArray[np.float32] = np.concatenate(parts, 1)[0]
+        return audio
 
 

@@ -4,13 +4,34 @@ from __future__ import annotations
 
 import time
 from collections import Counter
+from typing import Any, Protocol
 
 import numpy as np
+import numpy.typing as npt
 from onnx import TensorProto
 
-from engine.audio.rings import MAX_CACHED_SHAPES, RingState
+from engine.audio.rings import MAX_CACHED_SHAPES, RingStage, RingState
 from engine.errors import GraphError, InputError
+from engine.runtime.bundle import Bundle
 from engine.runtime.timing import CallTiming
+
+
+class DecodingCodec(Protocol):
+    """What a streaming decoder uses of its codec (:class:`engine.audio.codec.Codec`, which imports this
+    module: a protocol here keeps the import one way)."""
+
+    bundle: Bundle
+    decoder_stages: list[RingStage]
+    num_quantizers: int
+    samples_per_frame: int
+
+    def check_n_quantizers(self, n_quantizers: int) -> int: ...
+
+    def check_codes(self, codes: npt.ArrayLike, n_quantizers: int, batched: bool = False) -> npt.NDArray[np.int64]: ...
+
+
+# one call shape's fixed binding: (the state's generation it was made at, the IOBinding, codes in, audio out)
+_CallBinding = tuple[int, Any, npt.NDArray[np.int64], npt.NDArray[np.float32]]
 
 
 class StreamingDecoder:
@@ -23,7 +44,7 @@ class StreamingDecoder:
     owner (a runner, or one caller).
     """
 
-    def __init__(self, codec, slots: int = 1, n_quantizers: int = 16):
+    def __init__(self, codec: DecodingCodec, slots: int = 1, n_quantizers: int = 16) -> None:
         if isinstance(slots, bool) or not isinstance(slots, (int, np.integer)) or slots < 1:
             raise InputError(f"slots must be an integer >= 1, got {slots!r}")
         self.codec = codec
@@ -35,17 +56,17 @@ class StreamingDecoder:
         self._nq = np.array(self.n_quantizers, np.int64)
         self.timing = CallTiming()
         self.call_shapes: Counter[tuple[int, int]] = Counter()   # (streams, frames) of every call
-        self._calls: dict[tuple[int, int], tuple] = {}            # per call shape: its fixed binding
+        self._calls: dict[tuple[int, int], _CallBinding] = {}     # per call shape: its fixed binding
 
     @property
-    def frame_positions(self) -> np.ndarray:
+    def frame_positions(self) -> npt.NDArray[np.int64]:
         return self.state.frame_pos.copy()
 
     @property
     def state_bytes_per_stream(self) -> int:
         return self.state.nbytes_per_stream
 
-    def decode(self, codes) -> np.ndarray:
+    def decode(self, codes: npt.ArrayLike) -> npt.NDArray[np.float32]:
         """Codes ``[slots, N, K]`` (or ``[N, K]`` with one slot) → audio ``[slots, N*1920]`` (``[N*1920]``)."""
         arr = np.asarray(codes)
         unbatched = arr.ndim == 2 and self.slots == 1
@@ -55,22 +76,23 @@ class StreamingDecoder:
         audio = self.decode_checked(checked)
         return audio[0] if unbatched else audio
 
-    def decode_checked(self, codes: np.ndarray, frames: np.ndarray | None = None) -> np.ndarray:
+    def decode_checked(self, codes: npt.NDArray[np.int64],
+                       frames: npt.ArrayLike | None = None) -> npt.NDArray[np.float32]:
         """Hot path: validated int64 codes ``[n, N, num_quantizers]`` for streams ``0..n-1``; ``frames[b]``
         of them are real for stream ``b`` (default: all N). Returns audio ``[n, N*1920]``."""
         t0 = time.perf_counter()
         n, N = codes.shape[0], codes.shape[1]
-        frames = np.full(n, N, np.int64) if frames is None else np.asarray(frames, np.int64)
+        counts = np.full(n, N, np.int64) if frames is None else np.asarray(frames, np.int64)
         binding, codes_in, audio_out = self._call(n, N)
         codes_in[...] = codes
         t1 = time.perf_counter()
         self._session.run_with_iobinding(binding)
         t2 = time.perf_counter()
         audio = audio_out.copy()              # the buffer is the next call's too
-        real = frames > 0
+        real = counts > 0
         if not np.isfinite(audio[real]).all():
             raise GraphError("the codec decoder produced NaN/Inf audio (damaged bundle?)")
-        self.state.advance(n, frames, N)
+        self.state.advance(n, counts, N)
         self.call_shapes[(n, N)] += 1
         self.timing.add(time.perf_counter() - t0, t2 - t1)
         return audio
@@ -89,7 +111,7 @@ class StreamingDecoder:
             self._session.run_with_iobinding(binding)
             self.state.advance(n, np.zeros(n, np.int64), N)
 
-    def _call(self, n: int, N: int) -> tuple:
+    def _call(self, n: int, N: int) -> tuple[Any, npt.NDArray[np.int64], npt.NDArray[np.float32]]:
         """(binding, codes buffer, audio buffer) of a call shape, made once (and again after the state's
         call buffers grew): every input and output at a fixed address, so a call only fills the codes."""
         self.state.prepare(n, N)
@@ -105,7 +127,7 @@ class StreamingDecoder:
             binding.bind_output("audio", "cpu", 0, TensorProto.FLOAT, list(audio.shape), audio.ctypes.data)
             self.state.bind(binding, n, N)
             cached = self._calls[(n, N)] = (self.state.generation, binding, codes, audio)
-        return cached[1:]
+        return cached[1], cached[2], cached[3]
 
     def reset(self, index: int | None = None) -> None:
         """Start stream ``index`` (every stream when None) afresh at frame 0."""
@@ -122,4 +144,5 @@ class StreamingDecoder:
         self.state.copy_stream(src, dst)
 
     def commit_copy(self, src: int, dst: int) -> None:
+        """The host half of :meth:`copy_stream` (``RingState.commit_copy``)."""
         self.state.commit_copy(src, dst)

@@ -6,10 +6,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+import numpy.typing as npt
+import onnx
 import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
 
-from engine.runtime.device import DeviceTensor, ZeroFill, _graph, helper_options
+from engine.runtime.device import BindFn, DeviceTensor, ZeroFill, _graph, helper_options
+from engine.runtime.manifest import CodecStage
 
 
 @dataclass(frozen=True)
@@ -21,7 +24,7 @@ class RingStage:
     tokens_per_frame: int
 
     @classmethod
-    def from_spec(cls, spec) -> "RingStage":
+    def from_spec(cls, spec: CodecStage) -> "RingStage":
         return cls(spec.layers, spec.heads, spec.head_dim, spec.context - 1, spec.tokens_per_frame)
 
 
@@ -42,13 +45,13 @@ class RingState:
     """
 
     def __init__(self, side: str, stages: list[RingStage], slots: int, device: str = "cpu",
-                 providers: list[str] | None = None):
+                 providers: list[str] | None = None) -> None:
         self.side, self.stages, self.slots, self.device = side, stages, slots, device
         providers = providers or ["CPUExecutionProvider"]
         zero = ZeroFill(providers)
         # [layers * 2 * (slots + 1), heads, rows, head_dim]: a layer's K (V) of streams 0..n-1 is one view.
-        # Zeroed: masked rows are read with probability 0, and never-written memory must not be NaN (on CPU
-        # from untouched zero pages, so rings cost resident memory only as streams write them)
+        # Zeroed: masked rows are read with probability 0, and never-written memory must not be NaN (zeroed
+        # by a graph on every provider, so on CPU too the rings are resident from the start: DeviceTensor.zeros)
         self.rings = [DeviceTensor.zeros((s.layers * 2 * (slots + 1), s.heads, s.rows, s.head_dim), device, zero)
                       for s in stages]
         self._presents: list[DeviceTensor | None] = [None] * len(stages)    # grown to the largest call
@@ -69,13 +72,13 @@ class RingState:
     def nbytes_per_stream(self) -> int:
         return self.bytes_per_stream(self.stages)
 
-    def bind_positions(self, bind, name: str, n: int) -> None:
+    def bind_positions(self, bind: BindFn, name: str, n: int) -> None:
         """Bind the device positions of streams ``0..n-1`` (``bind``: a binding's bind_input/bind_output)."""
         bind(name, self.device, 0, TensorProto.INT64, [n], self.positions.data_ptr())
 
     def device_buffers(self) -> list[tuple[int, int]]:
         """(address, bytes) of every device buffer the state holds: fixed once each call size has run."""
-        return [(t.value.data_ptr(), int(np.prod(t.shape)) * t.dtype.itemsize)
+        return [(int(t.value.data_ptr()), int(np.prod(t.shape)) * t.dtype.itemsize)
                 for t in self.rings + [p for p in self._presents if p is not None]]
 
     def _ring_shape(self, si: int, n: int) -> list[int]:
@@ -106,10 +109,11 @@ class RingState:
                 for kv, kind in ((0, "key"), (1, "value")):
                     ring.bind_input(binding, f"{self.side}.past_{kind}.{si}.{layer}",
                                     (2 * layer + kv) * (self.slots + 1), n)
-            self._presents[si].bind_shaped(binding.bind_output, f"{self.side}.present.{si}",
-                                           self.present_shape(si, n, frames))
+            present = self._presents[si]
+            assert present is not None, "prepare() made every stage's new-row buffer"
+            present.bind_shaped(binding.bind_output, f"{self.side}.present.{si}", self.present_shape(si, n, frames))
 
-    def advance(self, n: int, frames: np.ndarray, call_frames: int) -> None:
+    def advance(self, n: int, frames: npt.NDArray[np.int64], call_frames: int) -> None:
         """After a call bound with :meth:`bind` (``n`` streams, ``call_frames`` frames) ran: write each stream's
         first ``frames[b]`` frames of new rows into its ring (on the device) and move its position on;
         streams with 0 frames (riders) are untouched."""
@@ -156,12 +160,26 @@ class _RingWriter:
     of slot ``b`` when it is one of the stream's real tokens and among its last ``C``, else in the scratch
     slot, so the indices are computed on the device and the shapes are fixed per call size."""
 
-    def __init__(self, stages: list[RingStage], slots: int, providers: list[str]):
+    def __init__(self, stages: list[RingStage], slots: int, providers: list[str]) -> None:
         i64, f = TensorProto.INT64, TensorProto.FLOAT
-        gb_nodes, inputs, outputs = [], [helper.make_tensor_value_info("frame_pos", i64, ["n"]),
-                                         helper.make_tensor_value_info("frames", i64, ["n"])], []
-        const = lambda name, arr: helper.make_node("Constant", [], [name], value=numpy_helper.from_array(
-            np.asarray(arr, np.int64), name))
+        gb_nodes: list[onnx.NodeProto] = []
+        inputs = [helper.make_tensor_value_info("frame_pos", i64, ["n"]),
+                  helper.make_tensor_value_info("frames", i64, ["n"])]
+        outputs: list[onnx.ValueInfoProto] = []
+
+        def const(name: str, arr: npt.ArrayLike) -> onnx.NodeProto:
+            return helper.make_node("Constant", [], [name],
+                                    value=numpy_helper.from_array(np.asarray(arr, np.int64), name))
+
+        def ring(name: str, s: RingStage) -> onnx.ValueInfoProto:
+            return helper.make_tensor_value_info(name, f, [s.layers, 2, slots + 1, s.heads, s.rows, s.head_dim])
+
+        def block(name: str, s: RingStage) -> onnx.ValueInfoProto:
+            return helper.make_tensor_value_info(name, f, [1, s.heads, s.rows, s.head_dim])
+
+        def vec(name: str, dim: int | str) -> onnx.ValueInfoProto:
+            return helper.make_tensor_value_info(name, i64, [dim])
+
         node = helper.make_node
         gb_nodes += [node("Shape", ["frame_pos"], ["n_vec"]),
                      const("zero", 0), const("one", 1), const("axis1", [1]), const("axis0", [0]),
@@ -172,10 +190,9 @@ class _RingWriter:
                      node("Unsqueeze", ["frames", "axis1"], ["frames_col"])]
         for si, s in enumerate(stages):
             p = f"stage{si}."
-            ring = lambda n: helper.make_tensor_value_info(n, f, [s.layers, 2, slots + 1, s.heads, s.rows, s.head_dim])
-            inputs += [ring(p + "ring"),
+            inputs += [ring(p + "ring", s),
                        helper.make_tensor_value_info(p + "present", f, [s.layers, 2, "n", s.heads, "T", s.head_dim])]
-            outputs.append(ring(p + "out"))
+            outputs.append(ring(p + "out", s))
             gb_nodes += [
                 node("Shape", [p + "present"], [p + "T_vec"], start=4, end=5),
                 node("Squeeze", [p + "T_vec"], [p + "T"]),
@@ -199,7 +216,7 @@ class _RingWriter:
             grids = {"layer": np.arange(s.layers).reshape(-1, 1, 1, 1, 1, 1),
                      "kv": np.arange(2).reshape(1, -1, 1, 1, 1, 1),
                      "head": np.arange(s.heads).reshape(1, 1, 1, -1, 1, 1)}
-            parts = []
+            parts: list[str] = []
             for axis in ("layer", "kv", "slot", "head", "row"):
                 if axis in grids:
                     gb_nodes.append(const(p + axis + "_grid", grids[axis]))
@@ -212,17 +229,16 @@ class _RingWriter:
             gb_nodes += [node("Concat", parts, [p + "indices"], axis=5),
                          node("ScatterND", [p + "ring", p + "indices", p + "present"], [p + "out"])]
         opts = helper_options()
-        self._write = ort.InferenceSession(_graph("ring_write", gb_nodes, inputs, outputs), opts, providers=providers)
+        self._write = ort.InferenceSession(_graph("ring_write", gb_nodes, inputs, outputs), opts,
+                                           providers=providers)
         # move: every (stage, layer, K/V) row block of one slot copied into another slot's memory
         blocks = [(si, i) for si, s in enumerate(stages) for i in range(2 * s.layers)]
-        block = lambda n, s: helper.make_tensor_value_info(n, f, [1, s.heads, s.rows, s.head_dim])
         self._copy = ort.InferenceSession(_graph(
             "ring_copy", [node("Identity", [f"src.{si}.{i}"], [f"dst.{si}.{i}"]) for si, i in blocks],
             [block(f"src.{si}.{i}", stages[si]) for si, i in blocks],
             [block(f"dst.{si}.{i}", stages[si]) for si, i in blocks]), opts, providers=providers)
         self._blocks, self._slots = blocks, slots
         self._bound: dict[tuple[int, int], tuple[int, ort.IOBinding, ort.IOBinding]] = {}
-        vec = lambda name, dim: helper.make_tensor_value_info(name, i64, [dim])
         self._advance = ort.InferenceSession(_graph(
             "positions_advance", [node("Add", ["pos", "frames"], ["next"])],
             [vec("pos", "n"), vec("frames", "n")], [vec("next", "n")]), opts, providers=providers)
@@ -240,8 +256,10 @@ class _RingWriter:
         if cached is None or cached[0] != state.generation:
             if len(self._bound) > MAX_CACHED_SHAPES:
                 self._bound.clear()
-            frames = lambda binding, name: binding.bind_input(name, "cpu", 0, TensorProto.INT64, [n],
-                                                              state._frames.ctypes.data)
+
+            def frames(binding: ort.IOBinding, name: str) -> None:
+                binding.bind_input(name, "cpu", 0, TensorProto.INT64, [n], state._frames.ctypes.data)
+
             write = self._write.io_binding()
             state.bind_positions(write.bind_input, "frame_pos", n)
             frames(write, "frames")
@@ -249,8 +267,9 @@ class _RingWriter:
                 full = state._ring_shape(si, self._slots + 1)
                 ring.bind_shaped(write.bind_input, f"stage{si}.ring", full)
                 ring.bind_shaped(write.bind_output, f"stage{si}.out", full)         # in place
-                state._presents[si].bind_shaped(write.bind_input, f"stage{si}.present",
-                                                state.present_shape(si, n, call_frames))
+                present = state._presents[si]
+                assert present is not None, "the call's bind() made every stage's new-row buffer"
+                present.bind_shaped(write.bind_input, f"stage{si}.present", state.present_shape(si, n, call_frames))
             # the positions move on in a graph of their own: an in-place add inside the write graph would
             # be unordered against the write's reads of the old positions
             advance = self._advance.io_binding()
@@ -261,7 +280,7 @@ class _RingWriter:
         self._write.run_with_iobinding(cached[1])
         self._advance.run_with_iobinding(cached[2])
 
-    def set_positions(self, state: RingState, index: np.ndarray, values: np.ndarray) -> None:
+    def set_positions(self, state: RingState, index: npt.ArrayLike, values: npt.ArrayLike) -> None:
         """Device positions ``index`` (slots, the scratch slot included) := ``values``, in place."""
         binding = self._set.io_binding()
         state.bind_positions(binding.bind_input, "pos", self._slots + 1)

@@ -9,14 +9,38 @@ from __future__ import annotations
 
 import io
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
+import numpy.typing as npt
 import soundfile as sf
 
+from engine.audio.codec import Codec
 from engine.errors import InputError, UnreadableAudioError
 from engine.limits import Limits
 
 Source = str | Path | bytes
+
+
+class _Layout(Protocol):
+    @property
+    def codebooks(self) -> int: ...
+
+
+class _Prompt(Protocol):
+    def check_codes(self, codes: npt.ArrayLike, what: str = ...) -> npt.NDArray[np.int64]: ...
+
+
+class VoiceModel(Protocol):
+    """What :func:`resolve_voice` needs of the model (``engine.model.tts.TTSModel``, a package above this
+    one): its codec, how many codebooks a prompt row holds, and the prompt's code check."""
+
+    @property
+    def codec(self) -> Codec: ...
+    @property
+    def layout(self) -> _Layout: ...
+    @property
+    def prompt(self) -> _Prompt: ...
 
 
 def _info(source: Source, what: str) -> sf._SoundFileInfo:
@@ -62,8 +86,9 @@ def read_reference_audio(source: Source, limits: Limits, what: str = "voice refe
     return mono[:n], rate
 
 
-def resolve_voice(model, limits: Limits, wav: tuple[np.ndarray, int] | None = None, codes=None,
-                  what: str = "voice reference", user_audio: bool = False) -> np.ndarray | None:
+def resolve_voice(model: VoiceModel, limits: Limits, wav: tuple[npt.ArrayLike, int] | None = None,
+                  codes: npt.ArrayLike | None = None, what: str = "voice reference",
+                  user_audio: bool = False) -> npt.NDArray[np.int64] | None:
     """A reference as ``[frames, 16]`` prompt codes: from samples ``(wav, sample_rate)`` (encoded by the
     bundle's codec: every ``ceil(N/1920)`` frame, first 16 levels, as upstream) or from codes
     ``[frames, K >= 16]`` (validated). Lengths are checked against ``limits`` before encoding."""
@@ -71,8 +96,8 @@ def resolve_voice(model, limits: Limits, wav: tuple[np.ndarray, int] | None = No
         raise InputError(f"give the {what} as audio or as codes, not both")
     codec = model.codec
     if wav is not None:
-        samples, rate = wav
-        samples = np.asarray(samples)
+        raw, rate = wav
+        samples = np.asarray(raw)
         if not isinstance(rate, (int, np.integer)) or isinstance(rate, bool):
             raise InputError(f"{what}: invalid sample rate {rate!r}")
         limits.check_sample_rate(int(rate), what)

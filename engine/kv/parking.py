@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
-from typing import Callable, Generic, Hashable, TypeVar
+from typing import Generic, TypeVar
 
 import numpy as np
 
@@ -41,7 +42,7 @@ class ParkingStats:
 class ParkedContexts(Generic[H]):
     """Host copies of parked streams' KV rows, in the order they were parked, within ``budget_bytes``."""
 
-    def __init__(self, budget_bytes: int):
+    def __init__(self, budget_bytes: int) -> None:
         if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes < 0:
             raise ValueError(f"the parked context budget must be an integer >= 0, got {budget_bytes!r}")
         self.budget_bytes = budget_bytes
@@ -75,14 +76,14 @@ class ParkedContexts(Generic[H]):
         self._rows[owner] = rows
         self.bytes += rows.nbytes
         self.parks += 1
-        evicted = []
-        for old in list(self._rows):
+        evicted: list[H] = []
+        for candidate in list(self._rows):
             if self.bytes <= self.budget_bytes:
                 break
-            if evictable(old):
-                self.drop(old)
+            if evictable(candidate):
+                self.drop(candidate)
                 self.evictions += 1
-                evicted.append(old)
+                evicted.append(candidate)
         return evicted
 
     def take(self, owner: H) -> np.ndarray | None:

@@ -1,18 +1,25 @@
 """Host-owned KV memory: the backbone's slot pool (the codec's rings are engine/audio/rings.py).
 
-The backbone's slots and the codec's rings are tensors on the sessions' device (``engine/runtime/device.py``),
-bound by pointer, and changed on the device by small in-place graphs. Streams live in slots; a call binds a contiguous prefix of slots (or one slot) so no per-step copy
-ever grows with the context. When a stream leaves, the last slot's stream is
-moved into the hole (one copy of its filled rows) so the active slots stay a prefix.
+The backbone's slots and the codec's rings are tensors on the sessions' device
+(``engine/runtime/device.py``), bound by pointer, and changed on the device by small in-place graphs.
+Streams live in slots; a call binds a contiguous prefix of slots (or one slot) so no per-step copy ever
+grows with the context. When a stream leaves, the last slot's stream is moved into the hole (one copy of
+its filled rows) so the active slots stay a prefix.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
+import onnx
 import onnxruntime as ort
 from onnx import helper
 
 from engine.runtime.device import ELEMENT, DeviceTensor, SlotRows, _graph, helper_options, slot_rows, stacked_rows
+
+# where one (layer, K/V) tensor ``t``'s block of head ``h`` lies: (device type, address)
+BlockAddress = Callable[[int, int], tuple[str, int]]
 
 
 class BackboneKVPool:
@@ -27,7 +34,8 @@ class BackboneKVPool:
     """
 
     def __init__(self, layers: int, kv_heads: int, head_dim: int, slots: int, rows: int,
-                 device: str = "cpu", providers: list[str] | None = None, dtype: np.dtype = np.dtype(np.float32)):
+                 device: str = "cpu", providers: list[str] | None = None,
+                 dtype: np.dtype = np.dtype(np.float32)) -> None:
         self.layers, self.slots, self.rows = layers, slots, rows
         self.kv_heads, self.head_dim, self.device = kv_heads, head_dim, device
         self.capacity = rows + 1          # rows per slot in memory, the backbone's total_sequence_length
@@ -66,8 +74,8 @@ class BackboneKVPool:
         """Copy the first ``n`` rows (default: the filled ones) of slot ``src`` over slot ``dst``, on the device,
         and nothing else: the lengths stay as they are, so a caller moving a stream commits them only once
         every copy of the move succeeded (a failure leaves ``src`` whole and the bookkeeping as it was: the
-        retry is exact). One plain copy per (layer, K/V, head) block, as a park's (an indexed scatter took 7x
-        as long: 177 against 26 ms for 1,000 rows at real dimensions)."""
+        retry is exact). One plain copy per (layer, K/V, head) block, as a park's: an indexed scatter moves the
+        same rows several times slower (measured in docs/architecture.md, *Host-owned KV*)."""
         n = int(self.lengths[src]) if n is None else n
         if n:
             self._copy_blocks(n, lambda t, h: (self.device, self._block_ptr(t, src, h)),
@@ -132,11 +140,13 @@ class BackboneKVPool:
             self.lengths[slot] = n
 
     def _block_ptr(self, tensor: int, slot: int, head: int) -> int:
-        """Address of row 0 of one (layer, K/V) tensor's block of ``slot`` and ``head``: its rows are contiguous."""
+        """Address of row 0 of one (layer, K/V) tensor's block of ``slot`` and ``head``: its rows are
+        contiguous."""
         t = self.tensors[tensor]
-        return t.value.data_ptr() + ((slot * self.kv_heads + head) * self.capacity) * self.head_dim * self.dtype.itemsize
+        block = (slot * self.kv_heads + head) * self.capacity
+        return int(t.value.data_ptr()) + block * self.head_dim * self.dtype.itemsize
 
-    def _copy_blocks(self, n: int, src, dst) -> None:
+    def _copy_blocks(self, n: int, src: BlockAddress, dst: BlockAddress) -> None:
         """Copy rows 0..n-1 of every (layer, K/V, head) block from ``src(t, h)`` to ``dst(t, h)`` (each a
         (device, address) pair) in one call of an Identity graph bound to both sides by pointer: a plain copy
         (host to device, device to host, device to device, or a memcpy on CPU), no index tensors. The two sides
@@ -144,7 +154,10 @@ class BackboneKVPool:
         if self._blocks is None:
             f = ELEMENT[self.dtype]
             count = 2 * self.layers * self.kv_heads
-            io = lambda name: helper.make_tensor_value_info(name, f, ["n", self.head_dim])
+
+            def io(name: str) -> onnx.ValueInfoProto:
+                return helper.make_tensor_value_info(name, f, ["n", self.head_dim])
+
             self._blocks = ort.InferenceSession(_graph(
                 "kv_blocks", [helper.make_node("Identity", [f"x.{i}"], [f"y.{i}"]) for i in range(count)],
                 [io(f"x.{i}") for i in range(count)], [io(f"y.{i}") for i in range(count)]),
@@ -160,7 +173,8 @@ class BackboneKVPool:
         self._blocks.run_with_iobinding(binding)
 
     def rows_of(self, slot: int, n: int | None = None) -> np.ndarray:
-        """A host copy of the first ``n`` (default: all valid) rows of a slot, [layers, 2, kv_heads, n, head_dim]."""
+        """A host copy of the first ``n`` (default: all valid) rows of a slot, [layers, 2, kv_heads, n,
+        head_dim]."""
         n = int(self.lengths[slot]) if n is None else n
         if n == 0:
             return np.zeros((self.layers, 2, self.kv_heads, 0, self.head_dim), self.dtype)

@@ -45,7 +45,7 @@ class PrefixCache:
     """LRU of prefixes (``BackboneKVPool`` layout: ``[layers * 2, kv_heads, n, head_dim]`` on the device) by
     content key, bounded in device bytes; thread-safe."""
 
-    def __init__(self, budget_bytes: int):
+    def __init__(self, budget_bytes: int) -> None:
         if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes < 0:
             raise ValueError(f"prefix cache budget must be an integer >= 0 bytes, got {budget_bytes!r}")
         self.budget_bytes = budget_bytes

@@ -20,14 +20,37 @@ With fixed addresses and shapes, a bucket's two calls are what a CUDA graph can 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
+import numpy.typing as npt
 import onnxruntime as ort
 from onnx import helper
 
 from engine.errors import InputError
+from engine.kv.pool import BackboneKVPool
+from engine.model.prompt import GridLayout
 from engine.model.sampling import MAX_REPETITION_WINDOW, SamplingParams
-from engine.runtime.device import ELEMENT, DeviceTensor, LastRow
+from engine.runtime.bundle import Bundle
+from engine.runtime.device import ELEMENT, BindFn, DeviceTensor, LastRow
+from engine.runtime.manifest import TTSConfig
+
+
+class BucketModel(Protocol):
+    """What a bucket's buffers read of the model (:class:`engine.model.tts.TTSModel`, which imports this
+    module: a protocol here keeps the import one way)."""
+
+    bundle: Bundle
+    config: TTSConfig
+    layout: GridLayout
+    history_pad: int
+
+    @property
+    def backbone_session(self) -> ort.InferenceSession: ...
+
+    @property
+    def depth_session(self) -> ort.InferenceSession: ...
+
 
 MIN_HISTORY_WINDOW = 64     # depth history windows are bound in power-of-two sizes from here
 # runs of each call in a warm-up that captures: onnxruntime's CUDA provider captures a graph id after its
@@ -41,7 +64,8 @@ def bucket_sizes(slots: int) -> tuple[int, ...]:
     ``slots`` itself."""
     if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
         raise InputError(f"slots must be an integer >= 1, got {slots!r}")
-    sizes, b = [], 1
+    sizes: list[int] = []
+    b = 1
     while b < slots:
         sizes.append(b)
         b *= 2
@@ -143,13 +167,15 @@ class BufferStats:
 class _Buffer:
     """A device OrtValue and its host staging array of the same shape and type."""
 
-    def __init__(self, shape: tuple[int, ...], dtype, device: str, stats: BufferStats, fill=0):
+    def __init__(self, shape: tuple[int, ...], dtype: npt.DTypeLike, device: str, stats: BufferStats,
+                 fill: float = 0) -> None:
         self.host = np.full(shape, fill, dtype)
         self.value = ort.OrtValue.ortvalue_from_shape_and_type(list(shape), self.host.dtype, device, 0)
         self.value.update_inplace(self.host)        # device memory starts defined (no NaN from garbage)
         stats.allocations += 1
 
     def upload(self) -> None:
+        """Copy the host staging array into the device value."""
         self.value.update_inplace(self.host)
 
 
@@ -158,7 +184,8 @@ class BucketBuffers:
     ``capture``: its calls run as captured CUDA graphs when the model captures (one runner per model does:
     the scheduler's; a captured graph replays at the addresses it was captured with)."""
 
-    def __init__(self, bucket: int, model, pool, stats: BufferStats, capture: bool = False):
+    def __init__(self, bucket: int, model: BucketModel, pool: BackboneKVPool, stats: BufferStats,
+                 capture: bool = False) -> None:
         self.bucket, self.model, self.pool, self.stats, self.capture = bucket, model, pool, stats, capture
         device = model.bundle.device
         self.device = device
@@ -186,7 +213,8 @@ class BucketBuffers:
         self.depth_layout: dict[int, dict[str, tuple[int, ...]]] = {}
 
     # ------------------------------------------------------------------ per-step staging (host arrays)
-    def stage_step(self, rows: dict[int, np.ndarray], lengths: np.ndarray, rider_row: np.ndarray) -> None:
+    def stage_step(self, rows: dict[int, npt.NDArray[np.int64]], lengths: npt.NDArray[np.int64],
+                   rider_row: npt.NDArray[np.int64]) -> None:
         """Stage a backbone step: ``rows[slot]`` (a grid row) for the slots that feed one, ``rider_row``
         elsewhere (written at the slot's length: past a stream's valid rows, or into a free slot's rows);
         ``lengths`` are the bucket's slots' current KV lengths."""
@@ -196,7 +224,7 @@ class BucketBuffers:
         self.positions.host[:, 0] = lengths
         self.seqlens.host[:] = lengths      # one row per slot: the last valid KV row after the call is `lengths`
 
-    def stage_depth(self, rows: list[tuple[int, np.ndarray, SamplingParams, np.ndarray, bool]],
+    def stage_depth(self, rows: list[tuple[int, npt.NDArray[np.int64], SamplingParams, npt.NDArray[np.float32], bool]],
                     history_pad: int, window: int = 0) -> int:
         """Stage a depth call: per ``(slot, history, params, uniform, first_frame)``; the other rows get
         greedy settings, no penalty and an empty window (their codes are ignored). Returns the bound history
@@ -218,10 +246,10 @@ class BucketBuffers:
 
     def hidden_row(self, slot: int) -> int:
         """The device address of slot ``slot``'s row of ``hidden`` (where a prefill's last row is copied)."""
-        return self.hidden.value.data_ptr() + slot * self.hidden.host[0].nbytes
+        return int(self.hidden.value.data_ptr() + slot * self.hidden.host[0].nbytes)
 
     # ------------------------------------------------------------------ binding
-    def _bind(self, bind, name: str, buf: _Buffer, shape: list[int] | None = None) -> None:
+    def _bind(self, bind: BindFn, name: str, buf: _Buffer, shape: list[int] | None = None) -> None:
         v = buf.value
         element = ELEMENT.get(buf.host.dtype) or helper.np_dtype_to_tensor_dtype(buf.host.dtype)
         bind(name, self.device, 0, element, shape or list(buf.host.shape), v.data_ptr())
@@ -237,8 +265,9 @@ class BucketBuffers:
         self.pool.bind(b, 0, self.bucket)
         # what a captured graph bakes in: every bound shape and address (KV as its first layer's key)
         kv = self.pool.tensors[0]
-        self.backbone_layout = _layout({"grid": self.grid, "position_ids": self.positions, "seqlens_k": self.seqlens,
-                                        "hidden": self.hidden}) | {"kv": (self.bucket, *kv.shape[1:], kv.view(0, 1)[0])}
+        buffers = _layout({"grid": self.grid, "position_ids": self.positions, "seqlens_k": self.seqlens,
+                           "hidden": self.hidden})
+        self.backbone_layout = buffers | {"kv": (self.bucket, *kv.shape[1:], kv.view(0, 1)[0])}
         self.stats.bindings += 2 + 2 * len(self.pool.tensors)
 
     def depth_binding(self, window: int) -> tuple[ort.IOBinding, _Buffer]:
@@ -266,7 +295,7 @@ class PrefillBuffers:
     bucket's ``hidden``, riders' too, so that row is copied into the bucket after the step
     (:meth:`to_bucket`). Only row copies on the device: no hidden state goes to the host."""
 
-    def __init__(self, model, slots: int, chunk_rows: int, stats: BufferStats):
+    def __init__(self, model: BucketModel, slots: int, chunk_rows: int, stats: BufferStats) -> None:
         H, self.device = model.config.hidden, model.bundle.device
         self.hidden = DeviceTensor((chunk_rows, H), self.device)      # float32, as the backbone's output
         self.last = DeviceTensor((slots, H), self.device)
@@ -285,4 +314,4 @@ class PrefillBuffers:
 
 def _layout(buffers: dict[str, _Buffer]) -> dict[str, tuple[int, ...]]:
     """Each buffer's shape and device address, as the graph registry compares them."""
-    return {name: (*buf.host.shape, buf.value.data_ptr()) for name, buf in buffers.items()}
+    return {name: (*buf.host.shape, int(buf.value.data_ptr())) for name, buf in buffers.items()}

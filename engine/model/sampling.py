@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 from engine.errors import InputError
 
@@ -30,14 +33,16 @@ class SamplingParams:
     greedy: bool = False
 
     @classmethod
-    def from_defaults(cls, defaults: dict, **overrides) -> "SamplingParams":
+    def from_defaults(cls, defaults: Mapping[str, object], **overrides: float | None) -> "SamplingParams":
         """The bundle's defaults (manifest ``generation.sampling_defaults``) with ``overrides`` (None = keep)."""
-        fields = {k: v for k, v in defaults.items() if k in cls.__dataclass_fields__}
+        # the values are checked by validated(), whatever their types
+        fields: dict[str, Any] = {k: v for k, v in defaults.items() if k in cls.__dataclass_fields__}
         fields.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**fields).validated()
 
     def validated(self) -> "SamplingParams":
-        def num(name, value):
+        """``self``, or an InputError naming the first setting out of its range."""
+        def num(name: str, value: object) -> None:
             if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)) \
                     or not np.isfinite(value):
                 raise InputError(f"{name} must be a finite number, got {value!r}")
@@ -68,13 +73,18 @@ class SamplingParams:
 class FrameRandom:
     """The uniforms a frame's draws consume, from one seeded generator per stream (PCG64)."""
 
-    def __init__(self, seed: int | None, codebooks: int):
+    def __init__(self, seed: int | None, codebooks: int) -> None:
         if seed is not None and (not isinstance(seed, (int, np.integer)) or isinstance(seed, bool)
                                  or not 0 <= seed < MAX_SEED):
             raise InputError(f"seed must be an integer in 0..{MAX_SEED - 1}, got {seed!r}")
-        self.seed = int(seed) if seed is not None else int(np.random.SeedSequence().entropy % (1 << 63))
+        if seed is None:
+            entropy = np.random.SeedSequence().entropy
+            assert isinstance(entropy, int), "a SeedSequence made without entropy draws one int of it"
+            seed = entropy % (1 << 63)
+        self.seed = int(seed)
         self._rng = np.random.Generator(np.random.PCG64(self.seed))
         self._codebooks = codebooks
 
-    def next_frame(self) -> np.ndarray:
+    def next_frame(self) -> npt.NDArray[np.float32]:
+        """The uniforms of the next frame's draws, one per codebook."""
         return self._rng.random(self._codebooks, dtype=np.float32)

@@ -20,6 +20,7 @@ from pathlib import Path
 from tokenizers import AddedToken, Tokenizer
 
 from engine.errors import BundleError, InputError
+from engine.runtime.bundle import Bundle
 
 
 def check_unicode(text: str) -> str:
@@ -51,12 +52,15 @@ def _load(path: Path, added_as_text: bool) -> Tokenizer:
 
 
 class TextTokenizer:
-    def __init__(self, path: str | Path, special_ids: dict[str, int]):
+    """The bundle's tokenizer in text mode, and in special mode on request (see the module doc)."""
+
+    def __init__(self, path: str | Path, special_ids: dict[str, int]) -> None:
         self._path = Path(path)
         try:
             self._text = _load(self._path, added_as_text=True)
         except Exception as e:  # OSError, and the tokenizers library's own plain Exception
-            raise BundleError(f"{path}: not a usable tokenizer.json ({type(e).__name__}: {str(e)[:200]})") from None
+            raise BundleError(f"{path}: not a usable tokenizer.json "
+                              f"({type(e).__name__}: {str(e)[:200]})") from None
         self._special_mode: Tokenizer | None = None   # loaded on first use: special mode is an explicit option
         self._lock = threading.Lock()
         self.special_ids = dict(special_ids)
@@ -69,7 +73,8 @@ class TextTokenizer:
                 raise BundleError(f"{path}: special id {key}={token_id} is outside the vocabulary")
 
     @classmethod
-    def from_bundle(cls, bundle) -> "TextTokenizer":
+    def from_bundle(cls, bundle: Bundle) -> "TextTokenizer":
+        """The tokenizer a bundle's manifest names, with its special ids."""
         section = bundle.section("tokenizer")
         return cls(bundle.file_path(section.file), section.special_ids.model_dump())
 
@@ -90,7 +95,8 @@ class TextTokenizer:
         """``text`` cut into (piece, is_added_token) in order, added tokens matched leftmost-longest."""
         if self._added_re is None:
             return [(text, False)] if text else []
-        out, pos = [], 0
+        out: list[tuple[str, bool]] = []
+        pos = 0
         for m in self._added_re.finditer(text):
             if m.start() > pos:
                 out.append((text[pos:m.start()], False))
@@ -122,7 +128,9 @@ class TextTokenizer:
                 if plain:
                     ids += self._text.encode(plain, add_special_tokens=False).ids
                     plain = ""
-                ids.append(self._text.token_to_id(text))
+                token_id = self._text.token_to_id(text)
+                assert token_id is not None, "split_added matched it among the tokenizer's added tokens"
+                ids.append(token_id)
             else:
                 plain += text
         if plain:
@@ -130,7 +138,9 @@ class TextTokenizer:
         return ids
 
     def decode(self, ids: list[int]) -> str:
+        """The text of ``ids``, added tokens spelled out."""
         return self._text.decode(ids, skip_special_tokens=False)
 
     def token_to_id(self, token: str) -> int | None:
+        """The id of one token's text (None: not in the vocabulary)."""
         return self._text.token_to_id(token)

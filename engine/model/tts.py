@@ -9,14 +9,17 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 import onnxruntime as ort
 
 from engine.audio.codec import Codec
 from engine.errors import BundleError, GraphError, InputError
 from engine.kv.pool import BackboneKVPool
-from engine.model.buckets import BucketBuffers, GraphKey, GraphRegistry, capture_decision
+from engine.model.buckets import BucketBuffers, BufferStats, GraphKey, GraphRegistry, capture_decision
 from engine.model.prompt import GridLayout, PromptBuilder
 from engine.model.sampling import SamplingParams
 from engine.model.tokenizer import TextTokenizer
@@ -30,8 +33,8 @@ def check_compute_dtype(compute_dtype: str, device: str) -> None:
     backbone's ops (GroupQueryAttention, MatMul, the fused norms), so a bf16 bundle is refused on CPU
     rather than left to fail at its first call."""
     if compute_dtype == "bf16" and device != "cuda":
-        raise BundleError("this bundle computes in bf16, which runs on the CUDA provider only: use --device cuda, "
-                          "or export with --compute-dtype fp16 (or fp32) for CPU")
+        raise BundleError("this bundle computes in bf16, which runs on the CUDA provider only: use --device "
+                          "cuda, or export with --compute-dtype fp16 (or fp32) for CPU")
 
 
 log = logging.getLogger("mossrt.tts")
@@ -44,9 +47,10 @@ class TTSModel:
     """The TTS graphs of a bundle plus everything derived from its manifest (layout, defaults, tokenizer)."""
 
     def __init__(self, bundle: Bundle, codec: Codec | None = None, cuda_graphs: bool | None = None,
-                 warm_buckets: bool | None = None):
+                 warm_buckets: bool | None = None) -> None:
         """``cuda_graphs``: capture each bucket's backbone step and depth call as CUDA graphs (None: on with
-        CUDA when every node of both graphs is placed there, see :func:`engine.model.buckets.capture_decision`).
+        CUDA when every node of both graphs is placed there, see
+        :func:`engine.model.buckets.capture_decision`).
         ``warm_buckets``: a scheduler on this model runs every bucket's calls once before it serves
         (``StepRunner.warm_up``; None: when capturing, so that no capture happens inside a live tick)."""
         self.bundle = bundle
@@ -92,30 +96,33 @@ class TTSModel:
         self.graph_lock = threading.Lock()
 
     @property
-    def backbone_session(self):
+    def backbone_session(self) -> ort.InferenceSession:
         return self._backbone
 
     @property
-    def depth_session(self):
+    def depth_session(self) -> ort.InferenceSession:
         return self._depth
 
-    def default_sampling(self, **overrides) -> SamplingParams:
+    def default_sampling(self, **overrides: float | None) -> SamplingParams:
+        """The bundle's sampling defaults with ``overrides`` (None: keep the default), validated."""
         return SamplingParams.from_defaults(self.sampling_defaults, **overrides)
 
     def kv_pool(self, slots: int, rows: int) -> BackboneKVPool:
+        """A backbone KV pool of ``slots`` slots of ``rows`` context rows on the bundle's device."""
         c = self.config
         positions = c.backbone.max_positions
         if positions is not None and rows + 1 > positions:
             raise InputError(f"{rows} context rows need {rows + 1} RoPE positions; this bundle's backbone has "
                              f"{positions} (max_position_embeddings): lower max_context_rows")
-        return BackboneKVPool(c.layers, c.kv_heads, c.head_dim, slots, rows, self.bundle.device, self.bundle.providers,
-                              self.kv_dtype)
+        return BackboneKVPool(c.layers, c.kv_heads, c.head_dim, slots, rows, self.bundle.device,
+                              self.bundle.providers, self.kv_dtype)
 
     def kv_bytes_per_slot(self, rows: int) -> int:
+        """Bytes of one slot of ``rows`` context rows (:meth:`kv_pool`'s), known before allocating it."""
         c = self.config
         return BackboneKVPool.bytes_per_slot(c.layers, c.kv_heads, c.head_dim, rows, self.kv_dtype)
 
-    def check_text_ids(self, ids) -> np.ndarray:
+    def check_text_ids(self, ids: Iterable[int]) -> npt.NDArray[np.int64]:
         """Token ids as a flat int64 array, each a valid row of the text embedding."""
         try:
             arr = np.asarray(list(ids))
@@ -137,7 +144,8 @@ class TTSModel:
         hidden states ``[hi-lo, T, H]`` on the host (synthesis tools and tests; the runner keeps them on the
         device with :meth:`run_backbone_into`)."""
         binding = self._backbone_call(grid, pool, lo, hi, lambda b, shape: b.bind_output("hidden", "cpu"), timing)
-        return binding.get_outputs()[0].numpy()
+        hidden: npt.NDArray[np.float32] = binding.get_outputs()[0].numpy()
+        return hidden
 
     def run_backbone_into(self, grid: np.ndarray, pool: BackboneKVPool, lo: int, hi: int, hidden: DeviceTensor,
                           timing: CallTiming | None = None) -> None:
@@ -146,8 +154,8 @@ class TTSModel:
         self._backbone_call(grid, pool, lo, hi, lambda b, shape: hidden.bind_shaped(b.bind_output, "hidden", shape),
                             timing)
 
-    def _backbone_call(self, grid: np.ndarray, pool: BackboneKVPool, lo: int, hi: int, bind_hidden,
-                       timing: CallTiming | None) -> ort.IOBinding:
+    def _backbone_call(self, grid: np.ndarray, pool: BackboneKVPool, lo: int, hi: int,
+                       bind_hidden: Callable[[Any, list[int]], None], timing: CallTiming | None) -> ort.IOBinding:
         """The one backbone call of a batch of rows (see :meth:`run_backbone`); ``bind_hidden(binding,
         shape)`` binds its ``hidden`` output. Returns the binding it ran."""
         t0 = time.perf_counter()
@@ -197,10 +205,12 @@ class TTSModel:
             raise GraphError(NON_FINITE_LOGITS)
         if timing is not None:
             timing.add(time.perf_counter() - t0, t2 - t1)
-        return codes
+        out: npt.NDArray[np.int64] = codes
+        return out
 
     # ------------------------------------------------------------------ bucketed step calls
-    def step_buffers(self, bucket: int, pool: BackboneKVPool, stats, capture: bool = False) -> BucketBuffers:
+    def step_buffers(self, bucket: int, pool: BackboneKVPool, stats: BufferStats,
+                     capture: bool = False) -> BucketBuffers:
         """The fixed-address buffers and bindings of one batch bucket over ``pool``'s slots ``0..bucket-1``."""
         return BucketBuffers(bucket, self, pool, stats, capture)
 

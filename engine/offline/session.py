@@ -21,23 +21,27 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
-from typing import Iterator
 
 import numpy as np
+import numpy.typing as npt
 
 from engine.errors import ConcurrentUseError, GraphError, InputError
 from engine.limits import Limits
 from engine.model.sampling import SamplingParams
+from engine.model.tts import TTSModel
 from engine.serving.runner import DEFAULT_PREFILL_CHUNK_ROWS, StepRunner
 from engine.serving.stream import Frame, StreamState, TurnState, TurnStats
 
 
 class StreamingSession:
-    def __init__(self, model, voice_codes: np.ndarray | None = None, params: SamplingParams | None = None,
+    """One stream and a runner of its own, driven on the caller's thread (see the module doc)."""
+
+    def __init__(self, model: TTSModel, voice_codes: np.ndarray | None = None, params: SamplingParams | None = None,
                  seed: int | None = None, max_context_rows: int | None = None, decode_audio: bool = True,
                  limits: Limits | None = None, allow_special_tokens: bool = False,
-                 prefill_chunk_rows: int = DEFAULT_PREFILL_CHUNK_ROWS):
+                 prefill_chunk_rows: int = DEFAULT_PREFILL_CHUNK_ROWS) -> None:
         limits = limits or Limits()
         if max_context_rows is not None:
             limits = dataclasses.replace(limits, max_context_rows=max_context_rows)
@@ -45,10 +49,10 @@ class StreamingSession:
         self.stream = StreamState(model, voice_codes=voice_codes, params=params, seed=seed, limits=limits,
                                   decode_audio=decode_audio, allow_special_tokens=allow_special_tokens)
         self.stream.pad_credit = 0
-        self._runner: StepRunner | None = StepRunner(model, 1, limits.max_context_rows,
-                                                     prefill_chunk_rows=prefill_chunk_rows,
-                                                     prefill_rows_per_tick=limits.max_context_rows)
-        self._runner.attach(self.stream)
+        runner = StepRunner(model, 1, limits.max_context_rows, prefill_chunk_rows=prefill_chunk_rows,
+                            prefill_rows_per_tick=limits.max_context_rows)
+        runner.attach(self.stream)
+        self._runner: StepRunner | None = runner          # None once closed
         self._busy = threading.Lock()
 
     # ------------------------------------------------------------------ views
@@ -83,8 +87,7 @@ class StreamingSession:
 
     @property
     def runner(self) -> StepRunner:
-        self._require_open()
-        return self._runner
+        return self._require_open()
 
     def context_ids(self) -> np.ndarray:
         return self.stream.context_ids()
@@ -107,7 +110,7 @@ class StreamingSession:
             self.stream.push_text(delta)
             return self._pump(pads=0)
 
-    def push_token_ids(self, ids) -> list[Frame]:
+    def push_token_ids(self, ids: Iterable[int]) -> list[Frame]:
         """Add assistant token ids (fed exactly as given); returns the frames they yield."""
         with self._call():
             self.stream.push_token_ids(ids)
@@ -142,7 +145,7 @@ class StreamingSession:
         with self._call():
             self.stream.cancel()
 
-    def prime(self, rows) -> None:
+    def prime(self, rows: npt.ArrayLike) -> None:
         """Feed context rows ``[n, 17]`` between turns without generating (see ``StreamState.prime``)."""
         with self._call():
             self.stream.prime(rows)
@@ -167,14 +170,15 @@ class StreamingSession:
     # ------------------------------------------------------------------ internals
     def _pump(self, pads: int) -> list[Frame]:
         """Run ticks until the stream has nothing more to feed now (at most ``pads`` pad frames)."""
+        runner = self._require_open()
         self.stream.pad_credit = pads
         frames: list[Frame] = []
         while True:
-            result = self._runner.tick()
+            result = runner.tick()
             frames += [f for _, f in result.frames]
             if result.failed:
                 raise GraphError(str(result.failed[0][1])) from result.failed[0][1]
-            if not self._runner.has_work() and not result.worked:
+            if not runner.has_work() and not result.worked:
                 break
         self.stream.pad_credit = 0
         self.stream.take_finished()   # a session reports turn ends through stats, not events
@@ -192,6 +196,8 @@ class StreamingSession:
         finally:
             self._busy.release()
 
-    def _require_open(self) -> None:
+    def _require_open(self) -> StepRunner:
+        """The session's runner; an InputError once the session is closed."""
         if self._runner is None:
             raise InputError("the session is closed")
+        return self._runner

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import numpy as np
+import numpy.typing as npt
 
 from engine.errors import InputError
 from engine.model.sampling import SamplingParams
@@ -14,17 +16,22 @@ from engine.serving.stream import Frame, TurnStats
 
 @dataclass
 class TurnResult:
+    """A whole turn's frames and its stats (set once the turn is drained)."""
+
     frames: list[Frame] = field(default_factory=list)   # every frame, the EOS frame included
     stats: TurnStats | None = None
 
     @property
     def audible(self) -> list[Frame]:
+        """The frames that carry audio codes: every one but the EOS frame."""
         return [f for f in self.frames if not f.eos]
 
-    def codes(self, codebooks: int = 16) -> np.ndarray:
+    def codes(self, codebooks: int = 16) -> npt.NDArray[np.int64]:
         """[frames, 16] int64 codes of the turn, EOS frame dropped."""
         audible = self.audible
-        return np.stack([f.codes for f in audible]).astype(np.int64) if audible else np.zeros((0, codebooks), np.int64)
+        if not audible:
+            return np.zeros((0, codebooks), np.int64)
+        return np.stack([f.codes for f in audible]).astype(np.int64)
 
     def audio(self) -> np.ndarray:
         """The turn's waveform: the audio of every decoded frame, in order."""
@@ -32,8 +39,9 @@ class TurnResult:
         return np.concatenate(parts) if parts else np.zeros(0, np.float32)
 
 
-def run_turn(session: StreamingSession, *, deltas=None, token_ids=None, user_text: str = "",
-             user_audio_codes=None, user_audio_wav=None, max_frames: int | None = None,
+def run_turn(session: StreamingSession, *, deltas: Iterable[str | bytes] | None = None,
+             token_ids: Iterable[int] | None = None, user_text: str = "", user_audio_codes: np.ndarray | None = None,
+             user_audio_wav: tuple[np.ndarray, int] | None = None, max_frames: int | None = None,
              params: SamplingParams | None = None) -> TurnResult:
     """Open a turn, feed its assistant input (text ``deltas`` — any iterable of str/bytes — or ``token_ids``),
     end the text and drain to EOS or the turn's limits."""
@@ -46,6 +54,7 @@ def run_turn(session: StreamingSession, *, deltas=None, token_ids=None, user_tex
         for delta in deltas:
             result.frames += session.push_text(delta)
     else:
+        assert token_ids is not None, "checked above: exactly one input is given"
         result.frames += session.push_token_ids(token_ids)
     result.frames += session.end_text()
     result.frames += session.drain()

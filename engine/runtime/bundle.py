@@ -12,11 +12,22 @@ import logging
 import os
 import threading
 from pathlib import Path
+from typing import Any, Literal, overload
 
 import onnxruntime as ort
 
 from engine.errors import BundleError
-from engine.runtime.manifest import FORMAT_VERSION, Manifest, parse_manifest, sha256_file
+from engine.runtime.manifest import (
+    FORMAT_VERSION,
+    CodecSection,
+    DemoSection,
+    GenerationSection,
+    Manifest,
+    TokenizerSection,
+    TTSSection,
+    parse_manifest,
+    sha256_file,
+)
 from engine.runtime.placement import DeviceChoice, Finding, PlacementRefused, bundle_unplaced, choose_device
 from engine.runtime.threads import give_pool, pool_setting, share_one_pool, shared_pool_threads
 
@@ -46,7 +57,7 @@ class Bundle:
     """
 
     def __init__(self, directory: str | Path, device: str | None = "auto", threads: int | None = None,
-                 profile_dir: str | Path | None = None, defer_refusal: bool = False, shared_pool: bool = False):
+                 profile_dir: str | Path | None = None, defer_refusal: bool = False, shared_pool: bool = False) -> None:
         """``device``: ``auto``, ``cpu`` or ``cuda``, checked against the graphs' kernels before onnxruntime is
         asked (a refusal is a BundleError; with ``defer_refusal`` it is kept in :attr:`refusal` and raised by
         :meth:`session`, so a server can report it); ``None`` opens the files only (no sessions).
@@ -65,7 +76,7 @@ class Bundle:
             self.info: Manifest = parse_manifest(raw)
         except ValueError as e:
             raise BundleError(f"{path}: {e}") from None
-        self.manifest: dict = raw
+        self.manifest: dict[str, Any] = raw           # the decoded JSON, as written
         for name, entry in self.info.files.items():
             f = self.dir / name
             if not f.is_file() or f.stat().st_size != entry.bytes:
@@ -73,7 +84,8 @@ class Bundle:
         for gname, graph in self.info.graphs.items():
             for fname in (graph.file, graph.data):
                 if fname is not None and fname not in self.info.files:
-                    raise BundleError(f"{path}: graph {gname!r} names {fname!r}, which the manifest's files do not list")
+                    raise BundleError(f"{path}: graph {gname!r} names {fname!r}, which the manifest's files "
+                                      "do not list")
         self.providers: list[str] = []
         self.device = "none"
         self.device_reason = "opened without a device"
@@ -88,8 +100,8 @@ class Bundle:
                     share_one_pool(self.threads)
             except ValueError as e:
                 raise BundleError(str(e)) from None
-        elif shared_pool_threads() is not None:      # the process's pool serves every session: say its size
-            self.threads = shared_pool_threads()
+        elif (pool_threads := shared_pool_threads()) is not None:
+            self.threads = pool_threads              # the process's pool serves every session: say its size
         self._sessions: dict[str, ort.InferenceSession] = {}
         self._lock = threading.Lock()
 
@@ -135,7 +147,18 @@ class Bundle:
     def has_graph(self, name: str) -> bool:
         return name in self.info.graphs
 
-    def section(self, key: str):
+    @overload
+    def section(self, key: Literal["codec"]) -> CodecSection: ...
+    @overload
+    def section(self, key: Literal["tts"]) -> TTSSection: ...
+    @overload
+    def section(self, key: Literal["tokenizer"]) -> TokenizerSection: ...
+    @overload
+    def section(self, key: Literal["generation"]) -> GenerationSection: ...
+    @overload
+    def section(self, key: Literal["demo"]) -> DemoSection: ...
+
+    def section(self, key: str) -> object:
         """A manifest section (validated model) that this bundle must have."""
         value = getattr(self.info, key, None)
         if value is None:
@@ -177,7 +200,7 @@ class Bundle:
             opts.profile_file_prefix = str(self.profile_dir / name)
         return opts
 
-    def session_providers(self, cuda_graph: bool = False) -> list:
+    def session_providers(self, cuda_graph: bool = False) -> list[str | tuple[str, dict[str, str]]]:
         """The provider list of a session (with the CUDA provider's ``enable_cuda_graph`` when asked)."""
         return [(p, {"enable_cuda_graph": "1"}) if cuda_graph and p == "CUDAExecutionProvider" else p
                 for p in self.providers]

@@ -3,12 +3,16 @@
 KV memory is allocated as onnxruntime ``OrtValue``s on the bundle's provider (host memory on CPU, GPU
 memory on CUDA) and bound to the graphs by pointer, so a step moves none of it across the PCIe bus. The
 few operations the host needs on it — keep a slot's first rows as a cached prefix and start a slot with
-them, move a stream to another slot, copy a prefill's last hidden row, read rows back — run as tiny graphs on the same provider that write in place (an output bound
-to the memory of its input: onnxruntime then updates only the rows it scatters). One code path: on CPU
+them, move a stream to another slot, copy a prefill's last hidden row, read rows back — run as tiny graphs
+on the same provider that write in place (an output bound to the memory of its input: onnxruntime then
+updates only the rows it scatters). One code path: on CPU
 the very same graphs run, and every test exercises them.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import ml_dtypes
 import numpy as np
@@ -22,6 +26,11 @@ from engine.runtime.threads import give_pool
 KV_DTYPES = {"fp32": np.dtype(np.float32), "fp16": np.dtype(np.float16), "bf16": np.dtype(ml_dtypes.bfloat16)}
 ELEMENT = {np.dtype(np.float32): TensorProto.FLOAT, np.dtype(np.float16): TensorProto.FLOAT16,
            np.dtype(ml_dtypes.bfloat16): TensorProto.BFLOAT16}
+
+# an IOBinding's bind_input or bind_output: (name, device type, device id, element type, shape, address)
+BindFn = Callable[[str, str, int, int, list[int], int], None]
+# binds one output of a read (an IOBinding, the output's name) to where its rows go
+BindOutput = Callable[[Any, str], None]
 
 
 class DeviceTensor:
@@ -44,9 +53,9 @@ class DeviceTensor:
               dtype: np.dtype = np.dtype(np.float32)) -> "DeviceTensor":
         """A tensor set to zero now, by ``fill`` on its device, on every provider. Fresh memory is
         uninitialised on a GPU; on CPU, zero pages the OS maps lazily (np.zeros) would be faulted in on their
-        first use instead, and a codec ring is read whole by its stream's first decode: measured at real
-        dimensions, that put 0.3-0.65 s of page faults into the first frame of every slot's first stream.
-        So the memory is resident from the start: what every slot needs at full load anyway."""
+        first use instead, and a codec ring is read whole by its stream's first decode, so those faults would
+        land in the first frame of every slot's first stream (measured in docs/performance.md). So the memory
+        is resident from the start: what every slot needs at full load anyway."""
         tensor = cls(shape, device, dtype)
         fill(tensor)
         return tensor
@@ -63,7 +72,7 @@ class DeviceTensor:
         ptr, shape = self.view(start, count)
         binding.bind_output(name, self.device, 0, ELEMENT[self.dtype], shape, ptr)
 
-    def bind_shaped(self, bind, name: str, shape: list[int]) -> None:
+    def bind_shaped(self, bind: BindFn, name: str, shape: list[int]) -> None:
         """Bind the tensor's first ``prod(shape)`` elements as ``shape`` (``bind`` is a binding's
         ``bind_input`` or ``bind_output``): one buffer serves calls of any size up to its own."""
         if int(np.prod(shape)) > int(np.prod(self.shape)):
@@ -75,7 +84,8 @@ class DeviceTensor:
         return self.shape[0] * self.row_bytes
 
 
-def _graph(name: str, nodes, inputs, outputs) -> bytes:
+def _graph(name: str, nodes: Sequence[onnx.NodeProto], inputs: Sequence[onnx.ValueInfoProto],
+           outputs: Sequence[onnx.ValueInfoProto]) -> bytes:
     model = helper.make_model(helper.make_graph(nodes, name, inputs, outputs),
                               opset_imports=[helper.make_opsetid("", 18)], producer_name="mossrt-engine")
     model.ir_version = 9
@@ -98,7 +108,7 @@ class ZeroFill:
     memory is uninitialised, and attention masks a key by giving it probability 0: 0 × a NaN left in a
     never-written row is still NaN, so KV memory that masked reads may touch is zeroed once at allocation."""
 
-    def __init__(self, providers: list[str]):
+    def __init__(self, providers: list[str]) -> None:
         self._sessions: dict[tuple[np.dtype, int], ort.InferenceSession] = {}   # per (dtype, rank)
         self._providers = providers
 
@@ -106,7 +116,8 @@ class ZeroFill:
         key = (tensor.dtype, len(tensor.shape))
         if key not in self._sessions:
             shape = helper.make_tensor_value_info("shape", TensorProto.INT64, ["rank"])
-            out = helper.make_tensor_value_info("zeros", ELEMENT[tensor.dtype], [f"d{i}" for i in range(len(tensor.shape))])
+            out = helper.make_tensor_value_info("zeros", ELEMENT[tensor.dtype],
+                                                [f"d{i}" for i in range(len(tensor.shape))])
             node = helper.make_node("ConstantOfShape", ["shape"], ["zeros"],
                                     value=helper.make_tensor("zero", ELEMENT[tensor.dtype], [1], [0]))
             self._sessions[key] = ort.InferenceSession(_graph("zero_fill", [node], [shape], [out]), helper_options(),
@@ -123,9 +134,12 @@ class LastRow:
     device memory (a prefill chunk's last hidden state into the row the depth call reads): a Slice whose
     output is bound to the destination, so nothing crosses to the host."""
 
-    def __init__(self, width: int, providers: list[str]):
+    def __init__(self, width: int, providers: list[str]) -> None:
         f, i64 = TensorProto.FLOAT, TensorProto.INT64
-        const = lambda name, v: helper.make_node("Constant", [], [name], value=helper.make_tensor(name, i64, [1], [v]))
+
+        def const(name: str, v: int) -> onnx.NodeProto:
+            return helper.make_node("Constant", [], [name], value=helper.make_tensor(name, i64, [1], [v]))
+
         nodes = [const("start", -1), const("end", 2**62), const("axis", 1),
                  helper.make_node("Slice", ["rows", "start", "end", "axis"], ["last"])]
         graph = _graph("last_row", nodes, [helper.make_tensor_value_info("rows", f, [1, "T", width])],
@@ -163,14 +177,20 @@ class SlotRows:
     other views (slot to slot, slot to a stacked tensor and back: all on the device), read them back.
     Rows move in the tensors' own ``dtype`` (host copies too: a float16 slot's rows are float16)."""
 
-    def __init__(self, count: int, heads: int, dim: int, providers: list[str], dtype: np.dtype = np.dtype(np.float32)):
+    def __init__(self, count: int, heads: int, dim: int, providers: list[str],
+                 dtype: np.dtype = np.dtype(np.float32)) -> None:
         self.count, self.heads, self.dim, self.dtype = count, heads, dim, np.dtype(dtype)
         f, i64 = ELEMENT[self.dtype], TensorProto.INT64
-        slot = lambda n: helper.make_tensor_value_info(n, f, [1, heads, "rows", dim])
-        rows = lambda n: helper.make_tensor_value_info(n, f, [1, heads, "n", dim])
+
+        def slot(n: str) -> onnx.ValueInfoProto:
+            return helper.make_tensor_value_info(n, f, [1, heads, "rows", dim])
+
+        def rows(n: str) -> onnx.ValueInfoProto:
+            return helper.make_tensor_value_info(n, f, [1, heads, "n", dim])
+
         n_in = helper.make_tensor_value_info("n", i64, [1])
 
-        def index_nodes(src: str) -> list:
+        def index_nodes(src: str) -> list[onnx.NodeProto]:
             # row indices 0..n-1 broadcast to the updates' shape, for ScatterElements along the rows axis
             return [helper.make_node("Constant", [], ["zero"], value=helper.make_tensor("z", i64, [], [0])),
                     helper.make_node("Constant", [], ["one"], value=helper.make_tensor("o", i64, [], [1])),
@@ -207,7 +227,7 @@ class SlotRows:
         self._sessions = {name: ort.InferenceSession(g, opts, providers=providers)
                           for name, g in (("write", write), ("copy", copy), ("read", read))}
 
-    def _bind_dst(self, binding, dst: Rows) -> None:
+    def _bind_dst(self, binding: ort.IOBinding, dst: Rows) -> None:
         for k, (t, i) in enumerate(dst):
             t.bind_input(binding, f"dst.{k}", i, 1)
             t.bind_output(binding, f"out.{k}", i, 1)          # in place: only the scattered rows change
@@ -238,15 +258,23 @@ class SlotRows:
     def read(self, src: Rows, n: int) -> np.ndarray:
         """Rows 0..n-1 of every view of ``src``, on the host: [count, heads, n, dim]."""
         out = np.empty((len(src), 1, self.heads, n, self.dim), self.dtype)
-        self._read(src, n, [lambda b, name, k=k: self._bind_host(b.bind_output, name, out[k]) for k in range(len(src))])
+
+        def to_host(k: int) -> BindOutput:
+            return lambda binding, name: self._bind_host(binding.bind_output, name, out[k])
+
+        self._read(src, n, [to_host(k) for k in range(len(src))])
         return out[:, 0]
 
     def read_into(self, src: Rows, n: int, dst: Rows) -> None:
         """Rows 0..n-1 of every view of ``src`` as the whole of ``dst``'s views (``n`` rows each), on the
         device: no host round trip."""
-        self._read(src, n, [lambda b, name, t=t, i=i: t.bind_output(b, name, i, 1) for t, i in dst])
 
-    def _read(self, src: Rows, n: int, bind_outputs) -> None:
+        def to_view(t: DeviceTensor, i: int) -> BindOutput:
+            return lambda binding, name: t.bind_output(binding, name, i, 1)
+
+        self._read(src, n, [to_view(t, i) for t, i in dst])
+
+    def _read(self, src: Rows, n: int, bind_outputs: Sequence[BindOutput]) -> None:
         session = self._sessions["read"]
         binding = session.io_binding()
         for k, ((t, i), bind_out) in enumerate(zip(src, bind_outputs)):
@@ -255,7 +283,7 @@ class SlotRows:
         binding.bind_cpu_input("n", np.array([n], np.int64))
         session.run_with_iobinding(binding)
 
-    def _bind_host(self, bind, name: str, array: np.ndarray) -> None:
+    def _bind_host(self, bind: BindFn, name: str, array: np.ndarray) -> None:
         """Bind a contiguous host array by pointer with the ONNX element type (so bfloat16 works too); the
         caller keeps ``array`` alive until the run ends."""
         bind(name, "cpu", 0, ELEMENT[self.dtype], list(array.shape), array.ctypes.data)

@@ -4,22 +4,23 @@ own fusions), the figure the GPU work is measured by."""
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Sequence
 
 import onnx
 
 from engine.runtime.bundle import Bundle
 
 
-def node_counts(bundle: Bundle) -> dict[str, Counter]:
+def node_counts(bundle: Bundle) -> dict[str, Counter[str]]:
     """Per graph of ``bundle``, its nodes by op type (the graph file only: weights are not read)."""
-    counts = {}
+    counts: dict[str, Counter[str]] = {}
     for name, entry in sorted(bundle.info.graphs.items()):
         model = onnx.load(str(bundle.file_path(entry.file)), load_external_data=False)
         counts[name] = Counter(node.op_type for node in model.graph.node)
     return counts
 
 
-def node_count_lines(counts: dict[str, Counter], top: int = 6) -> list[str]:
+def node_count_lines(counts: dict[str, Counter[str]], top: int = 6) -> list[str]:
     """One line per graph: total nodes and its most frequent op types."""
     return [f"  {name:<22} {sum(c.values()):6,} nodes  ("
             + ", ".join(f"{op} {n}" for op, n in c.most_common(top)) + ")" for name, c in counts.items()]
@@ -32,7 +33,7 @@ _WIDENING = ("Cast", "DequantizeLinear")
 _ROW_TABLES = {("Gather", 0), ("RotaryEmbedding", 2), ("RotaryEmbedding", 3)}
 
 
-def _tensor_bytes(dims, elem_type: int) -> int:
+def _tensor_bytes(dims: Sequence[int], elem_type: int) -> int:
     n = 1
     for d in dims:
         n *= int(d)
@@ -53,7 +54,7 @@ def weight_bytes_per_call(model: onnx.ModelProto) -> int:
         for i, name in enumerate(node.input):
             readers.setdefault(name, []).append((node, i))
 
-    def reads(value: str, dims, elem_type: int) -> int:
+    def reads(value: str, dims: Sequence[int], elem_type: int) -> int:
         total = 0
         for node, i in readers.get(value, []):
             if (node.op_type, i) in _ROW_TABLES:

@@ -13,15 +13,20 @@ equal); the CUDA table is transcribed from onnxruntime's published ``docs/Operat
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
+from typing import Any
 
 DATA = Path(__file__).parent / "data"
 TABLES = {"cpu": "kernels_cpu_onnxruntime-1.32.0.json", "cuda": "kernels_cuda_onnxruntime-gpu-1.31.1.json"}
 SIGNATURES = "op_signatures_onnxruntime-1.32.0.json"
 ONNX_DOMAIN = "ai.onnx"
 OPEN_END = 2147483647          # onnxruntime's "and every later opset"
+
+# one kernel or one schema version in the committed files' JSON form (parsed JSON: its values are not typed)
+JsonRow = dict[str, Any]
 
 
 def op_key(op_type: str, domain: str) -> str:
@@ -95,7 +100,7 @@ def signatures() -> dict[str, tuple[Signature, ...]]:
     """Every covered op's schema versions, oldest first."""
     raw = json.loads((DATA / SIGNATURES).read_text(encoding="utf-8"))
 
-    def formals(rows):
+    def formals(rows: list[list[str]]) -> tuple[Formal, ...]:
         return tuple(Formal(name, type_, option == "variadic") for name, type_, option in rows)
 
     return {key: tuple(Signature(s["since"], formals(s["inputs"]), formals(s["outputs"]),
@@ -113,12 +118,12 @@ def signature(key: str, opset: int) -> Signature | None:
 
 
 # ---------------------------------------------------------------------------------------------- from onnxruntime
-def installed_kernels(keys, ep: str = "CPUExecutionProvider") -> dict[str, list[dict]]:
+def installed_kernels(keys: Iterable[str], ep: str = "CPUExecutionProvider") -> dict[str, list[JsonRow]]:
     """The installed onnxruntime's registered kernels of ``ep`` for ``keys``, in the table's JSON form (on a
     GPU build, listing the CUDA provider's kernels needs a CUDA device: the registry is read from it)."""
     from onnxruntime.capi import onnxruntime_pybind11_state as ort_c
 
-    out: dict[str, list[dict]] = {k: [] for k in keys}
+    out: dict[str, list[JsonRow]] = {k: [] for k in keys}
     for k in ort_c.get_all_opkernel_def():
         key = op_key(k.op_name, k.domain)
         if k.provider == ep and key in out:
@@ -131,12 +136,12 @@ def installed_kernels(keys, ep: str = "CPUExecutionProvider") -> dict[str, list[
     return out
 
 
-def installed_cpu_kernels(keys) -> dict[str, list[dict]]:
+def installed_cpu_kernels(keys: Iterable[str]) -> dict[str, list[JsonRow]]:
     """The installed onnxruntime's registered CPU kernels of ``keys``, in the table's JSON form."""
     return installed_kernels(keys, "CPUExecutionProvider")
 
 
-def registry_table(provider: str, rows: dict[str, list[dict]] | None = None) -> KernelTable:
+def registry_table(provider: str, rows: dict[str, list[JsonRow]] | None = None) -> KernelTable:
     """The committed table of ``provider`` with its kernels replaced by the installed onnxruntime's own
     registry (``rows``: :func:`installed_kernels` output, read now when None); the host inputs stay the
     committed ones (the registry does not expose them)."""
@@ -148,7 +153,8 @@ def registry_table(provider: str, rows: dict[str, list[dict]] | None = None) -> 
                                 for k in rows.get(key, [])), entry.host_inputs)
            for key, entry in committed.ops.items()}
     return KernelTable(provider, committed.ep, committed.package, onnxruntime.__version__,
-                       "the installed onnxruntime's kernel registry", committed.device, ops, committed.float16_via_float)
+                       "the installed onnxruntime's kernel registry", committed.device, ops,
+                       committed.float16_via_float)
 
 
 def coverage(table: KernelTable, key: str, opset: int) -> dict[str, frozenset[str]]:
@@ -162,28 +168,30 @@ def coverage(table: KernelTable, key: str, opset: int) -> dict[str, frozenset[st
     return {c: frozenset(t) for c, t in out.items()}
 
 
-def coverage_diff(committed: KernelTable, registry: KernelTable, opsets: dict[str, int]) -> dict[str, dict]:
+def coverage_diff(committed: KernelTable, registry: KernelTable, opsets: dict[str, int]) -> dict[str, JsonRow]:
     """Where the committed table and the registry disagree at the opsets a bundle uses (``{"ai.onnx": 18,
     "com.microsoft": 1}``): per op, the types only the table claims (the placement check would accept a node
     onnxruntime cannot place there) and the types only the registry has (it would refuse a node that runs)."""
-    out = {}
+    out: dict[str, JsonRow] = {}
     for key in sorted(committed.ops):
         opset = opsets.get(key.split("@", 1)[1], 1)
         ours, theirs = coverage(committed, key, opset), coverage(registry, key, opset)
-        table_only = {c: sorted(t - theirs.get(c, frozenset())) for c, t in ours.items() if t - theirs.get(c, frozenset())}
-        registry_only = {c: sorted(t - ours.get(c, frozenset())) for c, t in theirs.items() if t - ours.get(c, frozenset())}
+        table_only = {c: sorted(t - theirs.get(c, frozenset()))
+                      for c, t in ours.items() if t - theirs.get(c, frozenset())}
+        registry_only = {c: sorted(t - ours.get(c, frozenset()))
+                         for c, t in theirs.items() if t - ours.get(c, frozenset())}
         if table_only or registry_only or (ours and not theirs):
             out[key] = {"opset": opset, "table_only": table_only, "registry_only": registry_only,
                         "in_registry": bool(theirs)}
     return out
 
 
-def installed_signatures(keys) -> dict[str, list[dict]]:
+def installed_signatures(keys: Iterable[str]) -> dict[str, list[JsonRow]]:
     """The installed onnxruntime's operator schemas of ``keys`` (every version), in the signatures' JSON form."""
     from onnxruntime.capi import onnxruntime_pybind11_state as ort_c
 
     option = {0: "single", 1: "optional", 2: "variadic"}
-    out: dict[str, list[dict]] = {k: [] for k in keys}
+    out: dict[str, list[JsonRow]] = {k: [] for k in keys}
     for s in ort_c.get_all_operator_schema():
         key = op_key(s.name, s.domain)
         if key in out:

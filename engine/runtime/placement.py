@@ -12,19 +12,24 @@ the graphs, the available providers and the requested device.
 
 from __future__ import annotations
 
+import os
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import onnx
 from onnx import TensorProto
 
-from engine.runtime.kernel_table import KernelTable, OpKernels, Signature, kernel_table, op_key, signature
+from engine.runtime.kernel_table import Formal, KernelTable, OpKernels, Signature, kernel_table, op_key, signature
 
 NO_KERNEL = "no kernel"
 HOST_COPY = "device→host copy inside a step"
 PROVIDER_NAMES = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
 # single-data-input ops a data value passes through on its way to a host input (to name where it comes from)
 _PASS_THROUGH = {"Cast", "Unsqueeze", "Squeeze", "Reshape", "Identity", "Add", "Sub", "Mul", "Min", "Max"}
+
+# a graph as a loaded ModelProto or the path of its .onnx file
+GraphSource = onnx.ModelProto | str | os.PathLike[str]
 
 
 @dataclass(frozen=True)
@@ -47,20 +52,20 @@ def _elem(t: int) -> str:
     return TensorProto.DataType.Name(t).lower() if t else "?"
 
 
-def _load(model) -> onnx.ModelProto:
+def _load(model: GraphSource) -> onnx.ModelProto:
     if isinstance(model, onnx.ModelProto):
         return model
     return onnx.load(str(model), load_external_data=False)
 
 
-def _formal(formals, i: int):
+def _formal(formals: Sequence[Formal], i: int) -> Formal | None:
     """The formal parameter of position ``i`` (the last one repeats when it is variadic)."""
     if i < len(formals):
         return formals[i]
     return formals[-1] if formals and formals[-1].variadic else None
 
 
-def _bind(formals, names, types: dict[str, str]) -> dict[str, str]:
+def _bind(formals: Sequence[Formal], names: Sequence[str], types: dict[str, str]) -> dict[str, str]:
     """Type constraint → the element type of the node's tensor in that position (the first one wins)."""
     bound: dict[str, str] = {}
     for i, name in enumerate(names):
@@ -75,13 +80,15 @@ def _bind(formals, names, types: dict[str, str]) -> dict[str, str]:
 _UNBOUND_AS = {"GroupQueryAttention": {"T_CACHE": "T"}}
 
 
-def _output_type(node, sig: Signature | None, bound: dict[str, str], i: int) -> str | None:
+def _output_type(node: onnx.NodeProto, sig: Signature | None, bound: dict[str, str], i: int) -> str | None:
     if node.op_type == "Cast":
         return _elem(next(a.i for a in node.attribute if a.name == "to"))
     if node.op_type == "ConstantOfShape":
         value = next((a.t for a in node.attribute if a.name == "value"), None)
         return _elem(value.data_type) if value is not None else "float"
-    f = _formal(sig.outputs, i) if sig is not None else None
+    if sig is None:
+        return None
+    f = _formal(sig.outputs, i)
     if f is None:
         return None
     if f.type.startswith("tensor("):
@@ -91,7 +98,7 @@ def _output_type(node, sig: Signature | None, bound: dict[str, str], i: int) -> 
     alias = _UNBOUND_AS.get(node.op_type, {}).get(f.type)
     if alias in bound:                        # a constraint no input binds, whose type another one decides
         return bound[alias]
-    allowed = sig.allowed.get(f.type, ())
+    allowed = sig.allowed.get(f.type, frozenset())
     return next(iter(allowed)) if len(allowed) == 1 else None
 
 
@@ -101,7 +108,7 @@ class _Walk:
     A value is *static* when it is known without reading device data: an initializer, a Constant, a Shape
     or Size output, or anything computed from static values only."""
 
-    def __init__(self, g):
+    def __init__(self, g: onnx.GraphProto) -> None:
         self.types: dict[str, str] = {vi.name: _elem(vi.type.tensor_type.elem_type)
                                       for vi in [*g.input, *g.value_info, *g.output] if vi.type.tensor_type.elem_type}
         self.types.update({init.name: _elem(init.data_type) for init in g.initializer})
@@ -109,7 +116,7 @@ class _Walk:
         self.graph_inputs = {i.name for i in g.input} - self.static
         self.producer: dict[str, onnx.NodeProto] = {}
 
-    def visit(self, node, sig: Signature | None) -> dict[str, str]:
+    def visit(self, node: onnx.NodeProto, sig: Signature | None) -> dict[str, str]:
         """Record the node's outputs; returns its constraint bindings (inputs and outputs)."""
         for name in node.output:
             self.producer[name] = node
@@ -132,7 +139,7 @@ class _Walk:
         """True when a host-read input would need device data (not static, not fed by the host directly)."""
         return value not in self.static and value not in self.graph_inputs
 
-    def origin(self, value: str):
+    def origin(self, value: str) -> onnx.NodeProto:
         """The node that first turns tensor data into ``value`` (skipping casts, unsqueezes, +constant ...)."""
         node = self.producer[value]
         while node.op_type in _PASS_THROUGH:
@@ -143,7 +150,7 @@ class _Walk:
         return node
 
 
-def unplaced(model, provider: str, graph: str = "", table: KernelTable | None = None) -> list[Finding]:
+def unplaced(model: GraphSource, provider: str, graph: str = "", table: KernelTable | None = None) -> list[Finding]:
     """Every node of ``model`` (a path or ModelProto) that ``provider`` ("cpu" or "cuda") cannot run as
     exported: no kernel for its op, opset or input types, or (device providers) a device→host copy.
     ``table``: another kernel table of the provider than the committed one (the installed registry's)."""
@@ -194,7 +201,7 @@ def _kernel_mismatch(table: KernelTable, entry: OpKernels, sig: Signature | None
     if not in_range:
         return f"{table.ep} has no kernel for opset {opset}"
 
-    def runs(binding):
+    def runs(binding: dict[str, str]) -> bool:
         return any(all(t in k.types.get(c, (t,)) for c, t in binding.items()) for k in in_range)
 
     as_float = {c: "float" if t == "float16" else t for c, t in bound.items()}
@@ -234,12 +241,13 @@ def _advice(findings: list[Finding], provider: str) -> str:
 def refusal(findings: list[Finding], provider: str) -> str:
     """One message: how many nodes, the first few by name, and what to export instead."""
     shown = "; ".join(f.line() for f in findings[:2])
-    more = f" (and {len(findings) - 2} more: 'mossrt verify --provider {provider}' lists them)" if len(findings) > 2 else ""
+    more = (f" (and {len(findings) - 2} more: 'mossrt verify --provider {provider}' lists them)"
+            if len(findings) > 2 else "")
     return (f"{len(findings)} node(s) cannot run on the {provider} provider: {shown}{more}; "
             f"{_advice(findings, provider)}")
 
 
-def choose_device(requested: str, available: list[str], check) -> DeviceChoice:
+def choose_device(requested: str, available: list[str], check: Callable[[str], list[Finding]]) -> DeviceChoice:
     """The provider to load on. ``check(provider) -> list[Finding]`` is the bundle's placement check (called
     before onnxruntime is asked for anything); ``available`` is ``onnxruntime.get_available_providers()``.
 
@@ -265,7 +273,8 @@ def choose_device(requested: str, available: list[str], check) -> DeviceChoice:
         why_not_cuda = f"the CUDA provider is installed but {refusal(cuda_findings, 'cuda')}"
     cpu_findings = check("cpu")
     if cpu_findings:
-        raise PlacementRefused(f"auto: no provider can run this bundle: {why_not_cuda}; and {refusal(cpu_findings, 'cpu')}")
+        raise PlacementRefused(f"auto: no provider can run this bundle: {why_not_cuda}; "
+                               f"and {refusal(cpu_findings, 'cpu')}")
     return DeviceChoice("cpu", _providers("cpu"), f"auto: cpu, because {why_not_cuda}")
 
 

@@ -32,7 +32,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from typing import Callable, Protocol
+from typing import Callable, Generic, Protocol, TypeVar
 
 import numpy as np
 
@@ -45,24 +45,76 @@ from engine.errors import (
     StreamClosedError,
 )
 from engine.kv.parking import ParkedContexts
+from engine.serving.stream import StreamState
 
 
 class SlotHolder(Protocol):
-    """What admission reads and writes of a stream handle (``engine.serving.handles.StreamHandle``)."""
+    """What admission reads of a stream handle (``engine.serving.handles.StreamHandle``), and the calls by which
+    it records what happened to it (made holding admission's lock)."""
 
-    closed: bool
-    one_shot: bool                # takes one turn; its slot is given back, never parked, when it ends
-    may_park_others: bool         # False: takes only a free slot (never parks another stream)
-    reserved: bool                # promised a slot (changed by the admission only)
-    revoked: bool                 # its promise was given back while the loop held it (the loop completes it)
-    attached: bool                # the loop attached it (changed by the loop, holding the lock)
-    turns_begun: int              # turns begun (or beginning), counted here
-    turns_ended: int              # their ends, as the device loop delivered them
-    pinned: bool                  # fed context rows outside a turn (prime): never parked
-    idle_since: float | None      # when its last turn ended, while no other is open (None: busy)
-    evicted: bool                 # its parked context was dropped
-    admitted_at: float            # when it was last admitted (the resume's start)
-    stream: object                # its StreamState (``parked`` is set here)
+    def __hash__(self) -> int: ...          # parked contexts are kept by their holder
+    @property
+    def closed(self) -> bool: ...
+    @property
+    def one_shot(self) -> bool:
+        """Takes one turn; its slot is given back, never parked, when it ends."""
+    @property
+    def may_park_others(self) -> bool:
+        """False: takes only a free slot (never parks another stream)."""
+    @property
+    def reserved(self) -> bool:
+        """Promised a slot (changed by the admission only)."""
+    @property
+    def revoked(self) -> bool:
+        """Its promise was given back while the loop held it (the loop completes it)."""
+    @property
+    def attached(self) -> bool:
+        """The loop attached it (changed by the loop, holding the lock)."""
+    @property
+    def turns_begun(self) -> int:
+        """Turns begun (or beginning), counted here."""
+    @property
+    def turns_ended(self) -> int:
+        """Their ends, as the device loop delivered them."""
+    @property
+    def pinned(self) -> bool:
+        """Fed context rows outside a turn (prime): never parked."""
+    @property
+    def idle_since(self) -> float | None:
+        """When its last turn ended, while no other is open (None: busy)."""
+    @property
+    def evicted(self) -> bool:
+        """Its parked context was dropped."""
+    @property
+    def admitted_at(self) -> float:
+        """When it was last admitted (the resume's start)."""
+    @property
+    def stream(self) -> StreamState:
+        """Its stream (marked parked and unparked here)."""
+
+    def promise_slot(self) -> None:
+        """Admission promised it a slot."""
+    def withdraw_promise(self) -> None:
+        """Its promised slot is free again."""
+    def revoke_promise(self) -> None:
+        """Its promise is given back while the loop holds it: the loop completes the giving back."""
+    def clear_revocation(self) -> None:
+        """No revocation is pending any more (completed, or a turn wants the promise after all)."""
+    def mark_admitted(self, now: float) -> None:
+        """It was admitted at ``now`` (a resume's start)."""
+    def mark_busy(self, turn: bool) -> None:
+        """A turn begins (``turn``: counted) or context rows outside a turn are fed (it is pinned): not idle."""
+    def mark_idle(self, now: float) -> None:
+        """Every turn it began has ended, at ``now``: a waiter may take its slot."""
+    def uncount_turn(self) -> None:
+        """A turn counted as begun did not open."""
+    def count_turn_end(self) -> None:
+        """The device loop delivered the end of one of its turns."""
+    def mark_evicted(self) -> None:
+        """Its parked context is dropped (or never kept): its next turn starts on a fresh stream."""
+
+
+H = TypeVar("H", bound=SlotHolder)
 
 
 class _Ticket:
@@ -87,7 +139,7 @@ class _AsyncTicket(_Ticket):
             pass
 
 
-class Admission:
+class Admission(Generic[H]):
     """Slots promised to handles, the queue of waiters, the parked contexts, and the handles the loop must
     detach, park or attach. ``cond`` is the device loop's condition (one lock for all); ``wake_loop`` marks
     the loop's work dirty (called holding it)."""
@@ -100,33 +152,33 @@ class Admission:
         self._wake_loop = wake_loop
         self._broken = broken
         self.promised = 0                     # slots promised to handles (attached or about to be)
-        self.parked = ParkedContexts(parked_bytes)
-        self._holding: list[SlotHolder] = []  # the handles promised a slot
+        self.parked: ParkedContexts[H] = ParkedContexts(parked_bytes)
+        self._holding: list[H] = []           # the handles promised a slot
         self._waiting: list[_Ticket] = []     # tickets of callers waiting for a slot, in order
-        self._to_attach: list[SlotHolder] = []
-        self._to_park: list[SlotHolder] = []
-        self._to_detach: list[SlotHolder] = []
+        self._to_attach: list[H] = []
+        self._to_park: list[H] = []
+        self._to_detach: list[H] = []
         self.accepting = True
         self.stopping = False
 
     # ------------------------------------------------------------------ the count (holding the lock)
-    def _promise(self, handle: SlotHolder | None) -> None:
+    def _promise(self, handle: H | None) -> None:
         """One more slot promised (``handle`` None: one a closed handle could not give back)."""
         self.promised += 1
         if handle is not None:
-            handle.reserved = True
+            handle.promise_slot()
             self._holding.append(handle)
 
-    def _free(self, handle: SlotHolder | None) -> None:
+    def _free(self, handle: H | None) -> None:
         """A promised slot is free again (``handle`` None: one whose handle already gave it up)."""
         self.promised -= 1
         if handle is not None:
-            handle.reserved = False
+            handle.withdraw_promise()
             self._holding.remove(handle)
         self._notify()
 
     # ------------------------------------------------------------------ callers (any thread)
-    def reserve(self, handle: SlotHolder, wait: float | None, turn: bool = True) -> bool:
+    def reserve(self, handle: H, wait: float | None, turn: bool = True) -> bool:
         """Promise ``handle`` a slot for a turn (``turn`` False: context rows outside a turn, which pins it),
         waiting up to ``wait`` s (default the queue timeout); False if it already has one."""
         with self._cond:
@@ -135,7 +187,7 @@ class Admission:
             if deadline is None:
                 return False
             try:
-                while not self._admissible(handle, ticket):
+                while not self._try_take_slot(handle, ticket):
                     left = deadline - time.monotonic()
                     if left <= 0 or self.stopping:
                         raise self._no_capacity()
@@ -146,7 +198,7 @@ class Admission:
             self._admit(handle, turn)
             return True
 
-    async def areserve(self, handle: SlotHolder, wait: float | None, turn: bool = True) -> bool:
+    async def areserve(self, handle: H, wait: float | None, turn: bool = True) -> bool:
         """:meth:`reserve` on an event loop: the ticket waits on an asyncio event, set by every change that may
         admit it, so no thread is held however long the queue (the timeout is the time to the refusal)."""
         ticket = _AsyncTicket(handle.may_park_others, asyncio.get_running_loop())
@@ -157,7 +209,7 @@ class Admission:
         try:
             while True:
                 with self._cond:
-                    if self._admissible(handle, ticket):
+                    if self._try_take_slot(handle, ticket):
                         self._admit(handle, turn)
                         return True
                     if self.stopping:
@@ -175,7 +227,7 @@ class Admission:
                 self._waiting.remove(ticket)
                 self._notify()
 
-    def turn_failed(self, handle: SlotHolder) -> None:
+    def turn_failed(self, handle: H) -> None:
         """A turn that :meth:`reserve` let begin did not open: it is not counted, and a promise that no open
         turn needs any more is given back wherever the loop is with it — still queued for the loop: at once
         (a parked stream's rows stay parked); taken by the loop and not attached yet: ``revoked``, and the
@@ -183,28 +235,28 @@ class Admission:
         ended (nothing in its slot to keep): detached. A stream attached with a context stays as any stream
         between turns: idle in its slot, which a waiter may take by parking it."""
         with self._cond:
-            handle.turns_begun -= 1
+            handle.uncount_turn()
             if handle.reserved and not handle.pinned and handle.turns_begun == handle.turns_ended:
                 if handle in self._to_attach:
                     self._to_attach.remove(handle)
                     self._free(handle)
                 elif not handle.attached:
-                    handle.revoked = True
+                    handle.revoke_promise()
                 elif not handle.turns_ended:
                     self._give_back(handle)
             self._maybe_idle(handle)
 
-    def turn_ended(self, handle: SlotHolder) -> None:
+    def turn_ended(self, handle: H) -> None:
         """The device loop delivered the end of one of ``handle``'s turns (before its consumer can see it). A
         one-shot handle's slot is given back now, without a copy: nobody resumes it."""
         with self._cond:
-            handle.turns_ended += 1
+            handle.count_turn_end()
             if handle.one_shot:
                 self._give_back(handle)
             else:
                 self._maybe_idle(handle)
 
-    def release(self, handle: SlotHolder) -> None:
+    def release(self, handle: H) -> None:
         """A closed handle's slot is free for admission now: the loop detaches it before it attaches anyone
         else, so a client that opens its next stream right after closing one is never refused for its own.
         A parked one's rows are dropped."""
@@ -215,14 +267,14 @@ class Admission:
                 self._notify()                 # a waiter that is this handle refuses now
 
     # ------------------------------------------------------------------ the device loop
-    def changes(self) -> tuple[list[SlotHolder], list[SlotHolder], list[SlotHolder]]:
+    def changes(self) -> tuple[list[H], list[H], list[H]]:
         """(handles to detach, to park, to attach) since the last call (holding the lock)."""
         leaving, self._to_detach = self._to_detach, []
         parking, self._to_park = self._to_park, []
         joining, self._to_attach = self._to_attach, []
         return leaving, parking, joining
 
-    def will_keep(self, handle: SlotHolder, nbytes: int) -> bool:
+    def will_keep(self, handle: H, nbytes: int) -> bool:
         """(Holding the lock.) Whether the loop copies the rows (``nbytes`` of them) of a handle chosen to be
         parked, decided before the copy: not for a handle closed since it was chosen (its slot is just
         freed) or whose context is already gone, nor for rows the budget would not keep even once every
@@ -232,11 +284,11 @@ class Admission:
             return False
         if self.parked.fits(nbytes, self._evictable):
             return True
-        handle.evicted = True
+        handle.mark_evicted()
         self.parked.refuse()
         return False
 
-    def keep_parked(self, handle: SlotHolder, rows: np.ndarray) -> None:
+    def park_rows_evicting_oldest(self, handle: H, rows: np.ndarray) -> None:
         """The loop copied a parked handle's rows out (holding the lock): kept within the budget, evicting
         the oldest parked contexts past it (never one that is taking its slot back). A waiter whose context
         is evicted is woken: it refuses at once (ContextEvictedError) instead of waiting for a slot."""
@@ -244,39 +296,39 @@ class Admission:
             return
         evicted = self.parked.put(handle, rows, self._evictable)
         for old in evicted:
-            old.evicted = True
+            old.mark_evicted()
         if evicted and self._waiting:
             self._notify()
 
     @staticmethod
-    def _evictable(handle: SlotHolder) -> bool:
+    def _evictable(handle: H) -> bool:
         return not handle.reserved           # not one that is taking its slot back
 
-    def attaching(self, handle: SlotHolder) -> bool:
+    def attaching(self, handle: H) -> bool:
         """(Holding the lock.) Whether the loop attaches a handle it took from :meth:`changes`, now, before it
         touches the device: not when its promise was given back meanwhile — a turn that failed after the
         loop took it (revoked: the promise is freed now, and a parked stream's rows stay parked), a close
         (its detach is queued), or a park that chose it again."""
         if handle.revoked:
-            handle.revoked = False
+            handle.clear_revocation()
             if handle.reserved:
                 self._free(handle)
             return False
         return handle.reserved
 
-    def attached(self, handle: SlotHolder, resumed: bool) -> None:
+    def attached(self, handle: H, resumed: bool) -> None:
         """(Holding the lock.) The loop attached ``handle`` (``resumed``: with its parked rows). A promise revoked
         while the attach ran is given back now: a stream with a context is parked again (its rows copied
         back out: nothing lost), one without one is detached."""
         if not handle.revoked:
             if handle.reserved:
-                handle.stream.parked = False
+                handle.stream.mark_unparked()
             return
-        handle.revoked = False
+        handle.clear_revocation()
         if not handle.reserved:
             return                            # closed, or chosen for parking, meanwhile: already given back
         if resumed:
-            handle.stream.parked = True
+            handle.stream.mark_parked()
             self._free(handle)
             self._to_park.append(handle)
         else:
@@ -284,13 +336,13 @@ class Admission:
             self._to_detach.append(handle)
         self._wake_loop()
 
-    def attach_failed(self, handle: SlotHolder) -> None:
+    def attach_failed(self, handle: H) -> None:
         """The loop could not give ``handle`` its slot: the promise is taken back."""
         with self._cond:
             if handle.reserved:
                 self._free(handle)
 
-    def detach_failed(self, handle: SlotHolder, first: bool, retry: bool) -> None:
+    def detach_failed(self, handle: H, first: bool, retry: bool) -> None:
         """Freeing a closed handle's slot failed: the slot is still taken (promised again on the first
         failure: admission must not give it away), and the detach is retried when ``retry``."""
         with self._cond:
@@ -312,7 +364,7 @@ class Admission:
             self._notify()
 
     # ------------------------------------------------------------------ inside (holding the lock)
-    def _give_back(self, handle: SlotHolder) -> None:
+    def _give_back(self, handle: H) -> None:
         """A handle's promise is given back with nothing to keep (closed, or a one-shot whose turn ended): the
         loop detaches it (before it attaches anyone), or never attaches it when it has not yet."""
         if not handle.reserved:
@@ -321,18 +373,18 @@ class Admission:
             self._to_attach.remove(handle)
         else:
             self._to_detach.append(handle)
-        handle.revoked = False
+        handle.clear_revocation()
         self._free(handle)
         self._wake_loop()
 
-    def _join_queue(self, handle: SlotHolder, ticket: _Ticket, wait: float | None, turn: bool) -> float | None:
+    def _join_queue(self, handle: H, ticket: _Ticket, wait: float | None, turn: bool) -> float | None:
         """``ticket`` joins the queue, first come first served: its deadline, or None when ``handle`` already
         holds a slot (then busy from now: it is not parked). A one-shot handle takes one turn only."""
         if handle.one_shot and handle.turns_begun:
             raise InputError("a one-shot stream takes one turn: open a new stream for the next")
         if handle.reserved:
-            handle.revoked = False             # a turn wants the promise again: the loop attaches it after all
-            self._busy(handle, turn)
+            handle.clear_revocation()          # a turn wants the promise again: the loop attaches it after all
+            handle.mark_busy(turn)
             return None
         if not self.accepting:
             raise OverloadError("the server is draining: no new streams")
@@ -342,11 +394,12 @@ class Admission:
         self._waiting.append(ticket)
         return time.monotonic() + (self.queue_timeout if wait is None else wait)
 
-    def _admissible(self, handle: SlotHolder, ticket: _Ticket) -> bool:
-        """Whether ``ticket`` takes a slot now: a free slot goes to the first in line; with none free, the
-        first in line that may park others (non-parking waiters ahead of it could not use that slot) takes
-        the slot of the stream idle longest, parking it. Raises for a handle that cannot resume any more
-        (closed, or its parked context evicted while it waited): no promise is made for it."""
+    def _try_take_slot(self, handle: H, ticket: _Ticket) -> bool:
+        """Whether ``ticket`` takes a slot now, parking a stream to free one when it must: a free slot goes to
+        the first in line; with none free, the first in line that may park others (non-parking waiters ahead
+        of it could not use that slot) takes the slot of the stream idle longest, parking it. Raises for a
+        handle that cannot resume any more (closed, or its parked context evicted while it waited): no promise
+        is made for it."""
         if self.stopping:
             return False
         if handle.closed:
@@ -363,37 +416,29 @@ class Admission:
 
     def _park_idlest(self) -> bool:
         # attached only: a promise the loop has not attached yet is one a failed turn is giving back
-        idle = [h for h in self._holding if h.idle_since is not None and h.attached and not h.closed
+        idle = [(h, h.idle_since) for h in self._holding if h.idle_since is not None and h.attached and not h.closed
                 and not h.one_shot and h not in self._to_attach]
         if not idle:
             return False
-        handle = min(idle, key=lambda h: h.idle_since)
-        handle.stream.parked = True          # it asks the runner for nothing until it is attached again
+        handle = min(idle, key=lambda held: held[1])[0]
+        handle.stream.mark_parked()          # it asks the runner for nothing until it is attached again
         self._free(handle)
         self._to_park.append(handle)
         self._wake_loop()
         return True
 
-    def _admit(self, handle: SlotHolder, turn: bool) -> None:
+    def _admit(self, handle: H, turn: bool) -> None:
         self._promise(handle)
-        self._busy(handle, turn)
-        handle.admitted_at = time.monotonic()
+        handle.mark_busy(turn)
+        handle.mark_admitted(time.monotonic())
         self._to_attach.append(handle)
         self._wake_loop()
         self._notify()
 
-    @staticmethod
-    def _busy(handle: SlotHolder, turn: bool) -> None:
-        if turn:
-            handle.turns_begun += 1
-        else:
-            handle.pinned = True
-        handle.idle_since = None
-
-    def _maybe_idle(self, handle: SlotHolder) -> None:
+    def _maybe_idle(self, handle: H) -> None:
         """``handle`` is idle once every turn it began has ended: a waiter may take its slot now."""
         if not handle.pinned and handle.turns_begun and handle.turns_begun == handle.turns_ended:
-            handle.idle_since = time.monotonic()
+            handle.mark_idle(time.monotonic())
             if handle.reserved and self._waiting:
                 self._notify()
 

@@ -16,6 +16,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -43,7 +44,10 @@ from engine.serving.runner import (
     SERVICE_CODEC_SCHEDULE,
     StepRunner,
 )
-from engine.serving.stream import StreamState
+from engine.serving.stream import StreamState, TurnStats
+
+if TYPE_CHECKING:
+    from engine.model.tts import TTSModel
 
 log = logging.getLogger("mossrt.scheduler")
 
@@ -68,13 +72,13 @@ class Scheduler:
     """The device loop over ``slots`` KV slots of ``model``: admission (:attr:`admission`), the runner, and
     one thread that attaches, ticks and detaches."""
 
-    def __init__(self, model, slots: int, limits: Limits | None = None,
+    def __init__(self, model: TTSModel, slots: int, limits: Limits | None = None,
                  prefill_chunk_rows: int = DEFAULT_PREFILL_CHUNK_ROWS,
                  prefill_rows_per_tick: int = DEFAULT_PREFILL_ROWS_PER_TICK,
                  queue_timeout: float = DEFAULT_QUEUE_TIMEOUT,
                  max_buffered_frames: int = DEFAULT_MAX_BUFFERED_FRAMES,
                  codec_schedule: tuple[int, ...] = SERVICE_CODEC_SCHEDULE,
-                 prefix_cache_bytes: int = 0, warm_buckets: bool | None = None, parked_bytes: int = 0):
+                 prefix_cache_bytes: int = 0, warm_buckets: bool | None = None, parked_bytes: int = 0) -> None:
         """``warm_buckets``: the loop thread first runs every batch bucket's calls once on padding rows
         (``StepRunner.warm_up``), before it serves any stream (None: the model's ``warm_buckets``).
         ``parked_bytes``: host memory for the KV rows of parked streams (0: a parked stream's context is
@@ -89,8 +93,8 @@ class Scheduler:
         self.max_buffered_frames = max_buffered_frames
         self._cond = threading.Condition()
         self._dirty = False
-        self.admission = Admission(self.runner.slots, queue_timeout, self._cond, self._mark_dirty,
-                                   lambda: self.broken, parked_bytes)
+        self.admission: Admission[StreamHandle] = Admission(self.runner.slots, queue_timeout, self._cond,
+                                                            self._mark_dirty, lambda: self.broken, parked_bytes)
         self._resume_seconds: deque[float] = deque(maxlen=RESUME_TIMES_KEPT)
         self._handles: list[StreamHandle] = []    # attached, in the loop thread's view
         self._stop = False
@@ -103,7 +107,7 @@ class Scheduler:
         self._thread.start()
 
     @staticmethod
-    def slots_for_budget(model, budget_bytes: int, max_context_rows: int) -> int:
+    def slots_for_budget(model: TTSModel, budget_bytes: int, max_context_rows: int) -> int:
         """How many streams a byte budget holds (KV slot of max_context_rows rows + codec rings each)."""
         per = model.kv_bytes_per_slot(max_context_rows) + model.codec.decoder_bytes_per_stream()
         return max(0, budget_bytes // per)
@@ -129,8 +133,8 @@ class Scheduler:
             self._resume_seconds.clear()
         return out
 
-    def open_stream(self, voice_codes=None, params: SamplingParams | None = None, seed: int | None = None,
-                    decode_audio: bool = True, allow_special_tokens: bool = False,
+    def open_stream(self, voice_codes: np.ndarray | None = None, params: SamplingParams | None = None,
+                    seed: int | None = None, decode_audio: bool = True, allow_special_tokens: bool = False,
                     sink: EventSink | None = None, limits: Limits | None = None, *, one_shot: bool = False,
                     may_park_others: bool = True) -> StreamHandle:
         """A new stream (no slot yet: it takes one at its first turn). Validates its settings now.
@@ -151,7 +155,7 @@ class Scheduler:
         return StreamHandle(self.admission, self.wake, stream, sink or QueueSink(), self.max_buffered_frames,
                             one_shot=one_shot, may_park_others=may_park_others)
 
-    def warm_prefix(self, voice_codes=None, timeout: float = 600) -> DeviceTensor | None:
+    def warm_prefix(self, voice_codes: np.ndarray | None = None, timeout: float = 600) -> DeviceTensor | None:
         """Compute (or find) the KV of a text-only first turn's opening for ``voice_codes`` (its system block
         and the assistant header) in the prefix cache and return its entry (device memory, see
         :meth:`prefix_to_host`), so streams with that voice skip those rows. None without a cache or when it
@@ -319,10 +323,10 @@ class Scheduler:
             except Exception as exc:  # noqa: BLE001 - one stream's context, never the loop
                 log.error("parking a stream failed: %s", exc)
                 with self._cond:
-                    h.evicted = True
+                    h.mark_evicted()
             else:
                 with self._cond:
-                    self.admission.keep_parked(h, rows)
+                    self.admission.park_rows_evicting_oldest(h, rows)
         self._detach(h)
 
     def _attach(self, h: StreamHandle) -> None:
@@ -343,7 +347,8 @@ class Scheduler:
             self.runner.attach(h.stream, rows)
         except Exception as exc:  # noqa: BLE001 - one stream, never the loop
             log.error("starting a stream failed: %s", exc)
-            h.evicted = h.evicted or rows is not None          # its rows are gone: its next turn starts afresh
+            if rows is not None:                                # its rows are gone: its next turn starts afresh
+                h.mark_evicted()
             self.admission.attach_failed(h)
             self._fail(h, EngineError(f"the stream could not start: {exc}"))
             return
@@ -362,7 +367,7 @@ class Scheduler:
         for turn, stats in h.stream.take_finished():
             self._turn_end(h, turn, stats)
 
-    def _turn_end(self, h: StreamHandle, turn: int, stats) -> None:
+    def _turn_end(self, h: StreamHandle, turn: int, stats: TurnStats) -> None:
         """A turn's end to its consumer, counted by admission first (the handle may be idle from now: a
         next turn its consumer begins on seeing the end is counted after it)."""
         self.admission.turn_ended(h)
@@ -390,23 +395,23 @@ class Scheduler:
         if lost:
             with self._cond:
                 for stream in lost:             # a failed slot trade could not restore an idle context
-                    h = by_stream.get(id(stream))
-                    if h is not None:
-                        h.evicted = True
+                    held = by_stream.get(id(stream))
+                    if held is not None:
+                        held.mark_evicted()
         if result is not None:
-            for stream, exc in result.failed:
-                h = by_stream.get(id(stream))
-                if h is not None:
-                    h.sink.put(StreamError(exc))
+            for stream, error in result.failed:
+                held = by_stream.get(id(stream))
+                if held is not None:
+                    held.sink.put(StreamError(error))
             for stream, frame in result.frames:
-                h = by_stream.get(id(stream))
-                if h is not None:
-                    h.sink.put(FrameEvent(frame))
-                    h.delivered()
+                held = by_stream.get(id(stream))
+                if held is not None:
+                    held.sink.put(FrameEvent(frame))
+                    held.delivered()
             for stream, turn, stats in result.turn_ends:
-                h = by_stream.get(id(stream))
-                if h is not None:
-                    self._turn_end(h, turn, stats)
+                held = by_stream.get(id(stream))
+                if held is not None:
+                    self._turn_end(held, turn, stats)
         if result is None:
             return None
         return 0.0 if result.worked else self.runner.seconds_until_work()

@@ -26,9 +26,12 @@ import functools
 import logging
 import math
 import threading
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Concatenate, ParamSpec, TypeVar
 
 import numpy as np
+import numpy.typing as npt
 
 from engine.audio.voices import resolve_voice
 from engine.errors import ContextLimitError, InputError, StreamClosedError
@@ -36,6 +39,9 @@ from engine.limits import Limits
 from engine.model.sampling import FrameRandom, SamplingParams
 from engine.model.textstream import TextCommitter, TokenizationDrift
 from engine.model.tokenizer import check_unicode
+
+if TYPE_CHECKING:
+    from engine.model.tts import TTSModel
 
 log = logging.getLogger("mossrt.stream")
 
@@ -116,9 +122,14 @@ class TurnInputs:
     rows: np.ndarray
 
 
-def _locked(method):
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def _locked(method: Callable[Concatenate[StreamState, P], R]) -> Callable[Concatenate[StreamState, P], R]:
+    """The method runs holding the stream's own lock."""
     @functools.wraps(method)
-    def wrapper(self, *args, **kwargs):
+    def wrapper(self: StreamState, /, *args: P.args, **kwargs: P.kwargs) -> R:
         with self._lock:
             return method(self, *args, **kwargs)
     return wrapper
@@ -152,9 +163,9 @@ class StreamState:
     """One stream's host state across turns (its KV context lives in the runner's slot, or, parked, in a host
     copy the scheduler keeps: everything else its next turn needs is here)."""
 
-    def __init__(self, model, voice_codes: np.ndarray | None = None, params: SamplingParams | None = None,
+    def __init__(self, model: TTSModel, voice_codes: np.ndarray | None = None, params: SamplingParams | None = None,
                  seed: int | None = None, limits: Limits | None = None, decode_audio: bool = True,
-                 allow_special_tokens: bool = False):
+                 allow_special_tokens: bool = False) -> None:
         self.model = model
         self.limits = limits or Limits()
         self.voice_codes = resolve_voice(model, self.limits, codes=voice_codes)
@@ -176,11 +187,40 @@ class StreamState:
         self._prime_prefix: tuple[int, ...] = ()
         self._last_fed: StepRequest | None = None
         self._lock = threading.RLock()
-        self.paused = False                     # a consumer that does not keep up holds the stream
-        self.parked = False                     # between turns, its slot given away: it asks for nothing
+        # Single flag writes (atomic), by writers that hold their own locks (the handle's, admission's):
+        # want() reads them under the stream's lock
+        self._paused = False                    # a consumer that does not keep up holds the stream
+        self._parked = False                    # between turns, its slot given away: it asks for nothing
         self._finished: list[tuple[int, TurnStats]] = []
         self.system_rows = len(model.prompt.system_block(self.voice_codes))
         self.tts_prompt_rows = self.system_rows + len(model.prompt.assistant_header)
+
+    # ------------------------------------------------------------------ held by its scheduler
+    @property
+    def paused(self) -> bool:
+        """Its consumer does not keep up: the stream asks for nothing until it catches up."""
+        return self._paused
+
+    @property
+    def parked(self) -> bool:
+        """Between turns, its slot given away: the stream asks for nothing until it is attached again."""
+        return self._parked
+
+    def mark_paused(self) -> None:
+        """Its consumer's buffer is full: hold the stream (it asks for nothing)."""
+        self._paused = True
+
+    def mark_unpaused(self) -> None:
+        """Its consumer caught up: the stream goes on."""
+        self._paused = False
+
+    def mark_parked(self) -> None:
+        """Its slot is given away (its rows are copied out): it asks for nothing until attached again."""
+        self._parked = True
+
+    def mark_unparked(self) -> None:
+        """It holds a slot again: it asks for rows as usual."""
+        self._parked = False
 
     # ------------------------------------------------------------------ views
     @property
@@ -193,13 +233,11 @@ class StreamState:
 
     @property
     def stats(self) -> TurnStats:
-        self._require_turn()
-        return self._turn.stats
+        return self._require_turn().stats
 
     @property
     def turn_params(self) -> SamplingParams:
-        self._require_turn()
-        return self._turn.params
+        return self._require_turn().params
 
     @property
     def pending_text_ids(self) -> int:
@@ -266,7 +304,8 @@ class StreamState:
                                    inputs.rows if first == inputs.first else None)
             self._open_turn(inputs, rows)
 
-    def _turn_rows(self, first: bool, user_text: str, user_audio, rows: np.ndarray | None = None) -> np.ndarray:
+    def _turn_rows(self, first: bool, user_text: str, user_audio: np.ndarray | None,
+                   rows: np.ndarray | None = None) -> np.ndarray:
         """A turn's prompt rows (``rows``: already laid out), checked against the stream's state and context."""
         self._require_open()
         if self.state in (TurnState.WAITING, TurnState.RUNNING):
@@ -296,23 +335,22 @@ class StreamState:
     @_locked
     def push_text(self, delta: str | bytes) -> int:
         """Add assistant text (any split; bytes may cut UTF-8 characters); returns the ids it committed."""
-        self._require_text_open()
-        self._set_input_kind("text")
-        return self._queue(self._turn.committer.push(delta))
+        t = self._require_text_open()
+        self._set_input_kind(t, "text")
+        return self._queue(t, t.committer.push(delta))
 
     @_locked
-    def push_token_ids(self, ids) -> int:
+    def push_token_ids(self, ids: Iterable[int]) -> int:
         """Add assistant token ids (fed exactly as given)."""
-        self._require_text_open()
+        t = self._require_text_open()
         arr = self.model.check_text_ids(ids)
-        self._set_input_kind("ids")
-        return self._queue([int(i) for i in arr])
+        self._set_input_kind(t, "ids")
+        return self._queue(t, [int(i) for i in arr])
 
     @_locked
     def end_text(self) -> int:
         """No more text this turn: commits the rest. The stream then drains to EOS or its limits."""
-        self._require_turn()
-        t = self._turn
+        t = self._require_turn()
         if t.text_ended:
             raise InputError("text already ended for this turn")
         tail = t.committer.finish()
@@ -322,9 +360,9 @@ class StreamState:
             t.stats.tokenization_drift = True
             log.error("tokenization drift: %s", e)
         t.text_ended = True
-        n = self._queue(tail)
+        n = self._queue(t, tail)
         if self.state is TurnState.WAITING and not t.pending:
-            self._finish(FinishReason.NO_TEXT)
+            self._finish(t, FinishReason.NO_TEXT)
         return n
 
     @_locked
@@ -332,16 +370,17 @@ class StreamState:
         """Barge-in: end the turn now. Fed rows stay in the context; nothing else is kept."""
         self._require_open()
         if self._turn is not None and self.state is not TurnState.DONE:
-            self._finish(FinishReason.CANCELLED)
+            self._finish(self._turn, FinishReason.CANCELLED)
 
     @_locked
     def close(self) -> None:
+        """The stream ends: an open turn is cancelled, and it asks for nothing more."""
         self.closed = True
         if self._turn is not None and self.state is not TurnState.DONE:
-            self._finish(FinishReason.CANCELLED)
+            self._finish(self._turn, FinishReason.CANCELLED)
 
     @_locked
-    def prime(self, rows, prefix: bool = False) -> None:
+    def prime(self, rows: npt.ArrayLike, prefix: bool = False) -> None:
         """Feed context rows ``[n, 17]`` without generating (between turns): the stream then continues as
         if a conversation had produced exactly these rows (restoring a conversation; tests' references).
         ``prefix``: the rows are the stream's system block, or its text-only opening (system block + assistant
@@ -351,7 +390,8 @@ class StreamState:
             raise InputError("prime context rows between turns")
         arr = np.asarray(rows)
         lay = self.model.layout
-        if arr.ndim != 2 or arr.shape[1] != lay.columns or arr.shape[0] == 0 or not np.issubdtype(arr.dtype, np.integer):
+        if arr.ndim != 2 or arr.shape[1] != lay.columns or arr.shape[0] == 0 \
+                or not np.issubdtype(arr.dtype, np.integer):
             raise InputError(f"context rows must be integers [rows >= 1, {lay.columns}], got {arr.shape}")
         arr = arr.astype(np.int64)
         if arr[:, 0].min() < 0 or arr[:, 0].max() >= self.model.vocab or arr[:, 1:].min() < 0 \
@@ -371,15 +411,14 @@ class StreamState:
         carrying those frames (as if the turn had ended there; more frames than the turn played keep all
         of it, see ``turn_audio_frames``). Returns the context rows kept; the
         runner drops the rest of the KV cache before the next step."""
-        self._require_turn()
-        t = self._turn
+        t = self._require_turn()
         if self.state is not TurnState.DONE or self._in_flight is not None:
             raise InputError("truncate after the turn has ended (cancel it first)")
         if isinstance(audio_frames, bool) or not isinstance(audio_frames, (int, np.integer)) or audio_frames < 0:
             raise InputError(f"audio frames heard must be an integer >= 0, got {audio_frames!r}")
         if t.stats.prefill_rows == 0:
             return self.fed_rows                          # nothing of the turn was fed
-        played = self._played_frames()
+        played = self._played_frames(t)
         heard = min(int(audio_frames), len(played))     # a listener never heard more than was played
         carried = played[heard - 1] + 1 if heard else 0   # frames 0..j ride in step rows 1..j+1
         keep = min(self.fed_rows, t.start_rows + t.stats.prefill_rows + carried)
@@ -411,49 +450,80 @@ class StreamState:
     @_locked
     def turn_audio_frames(self) -> int:
         """Frames of audio the current (or last) turn played: what ``truncate_turn`` can keep at most."""
-        return len(self._played_frames()) if self._turn is not None else 0
+        return len(self._played_frames(self._turn)) if self._turn is not None else 0
 
-    def _played_frames(self) -> list[int]:
+    def _played_frames(self, t: _Turn) -> list[int]:
         lay = self.model.layout
-        return [i for i, c in enumerate(self._turn.frames) if c[0] != lay.audio_eos and playable(c, lay.codebook_size)]
+        return [i for i, c in enumerate(t.frames) if c[0] != lay.audio_eos and playable(c, lay.codebook_size)]
 
     @_locked
     def fail(self) -> None:
         """The runner could not compute this stream: the turn ends with ERROR."""
         self._in_flight = None
         if self._turn is not None and self.state is not TurnState.DONE:
-            self._finish(FinishReason.ERROR)
+            self._finish(self._turn, FinishReason.ERROR)
 
     # ------------------------------------------------------------------ runner side
     @_locked
     def want(self) -> StepRequest | None:
         """The next rows to feed (with the sampling inputs of the frame they complete), or None."""
-        t = self._turn
-        if self.closed or self._in_flight is not None or self.paused or self.parked:
+        if self._held_back():
             return None
         if self._prime is not None:
-            rows, self._prime = self._prime, None
-            self._in_flight = StepRequest(rows=rows, first_frame=False, params=self.params, uniform=np.zeros(0),
-                                          history=np.zeros((0, 0), np.int64), turn=self._serial, sample=False,
-                                          prefix_cuts=self._prime_prefix, start_row=self.fed_rows)
-            return self._in_flight
+            return self._prime_request(self._prime)
+        t = self._turn
         if t is None or self.state not in (TurnState.WAITING, TurnState.RUNNING):
             return None
-        lay = self.model.layout
         if self.state is TurnState.WAITING:
-            if len(t.pending) < lay.text_lead and not t.text_ended:
-                return None
-            n = min(lay.text_lead, len(t.pending))
-            t.fed_text_ids += n
-            rows = np.concatenate([t.prompt_rows, self.model.prompt.prefill_text(t.pending[:n])])
-            del t.pending[:n]
-            t.stats.prefill_rows = len(rows)
-            t.start_rows = self.fed_rows
-            self.state = TurnState.RUNNING
-            return self._request(rows, first=True, prefix_cuts=t.prefix_cuts)
-        if t.stats.frames >= self._frame_limit():
-            self._finish(FinishReason.MAX_FRAMES)
+            return self._prefill_request(t) if self._prefill_ready(t) else None
+        return self._step_request(t)
+
+    def _held_back(self) -> bool:
+        """Whether the stream asks for nothing whatever its turn holds: closed, a request already out, its
+        consumer behind (paused) or its slot given away (parked)."""
+        return self.closed or self._in_flight is not None or self.paused or self.parked
+
+    def _prime_request(self, rows: np.ndarray) -> StepRequest:
+        """The primed context rows, as one request that samples no frame (the prime is taken)."""
+        self._prime = None
+        self._in_flight = StepRequest(rows=rows, first_frame=False, params=self.params, uniform=np.zeros(0),
+                                      history=np.zeros((0, 0), np.int64), turn=self._serial, sample=False,
+                                      prefix_cuts=self._prime_prefix, start_row=self.fed_rows)
+        return self._in_flight
+
+    def _prefill_ready(self, t: _Turn) -> bool:
+        """Whether a waiting turn may prefill: 12 ids committed, or its text ended with fewer."""
+        return len(t.pending) >= self.model.layout.text_lead or t.text_ended
+
+    def _prefill_request(self, t: _Turn) -> StepRequest:
+        """The turn's prefill (its prompt rows and its first committed ids), which yields frame 0; the turn is
+        running from now."""
+        n = min(self.model.layout.text_lead, len(t.pending))
+        t.fed_text_ids += n
+        rows = np.concatenate([t.prompt_rows, self.model.prompt.prefill_text(t.pending[:n])])
+        del t.pending[:n]
+        t.stats.prefill_rows = len(rows)
+        t.start_rows = self.fed_rows
+        self.state = TurnState.RUNNING
+        return self._request(t, rows, first=True, prefix_cuts=t.prefix_cuts)
+
+    def _step_request(self, t: _Turn) -> StepRequest | None:
+        """A running turn's next step row, or None: the turn ends at its frame limit (before a text id is
+        taken) or when its context is full (after), and waits when it has no text id to feed."""
+        if t.stats.frames >= self._frame_limit(t):
+            self._finish(t, FinishReason.MAX_FRAMES)
             return None
+        text_id = self._next_text_id(t)
+        if text_id is None:
+            return None
+        if self.fed_rows + 1 > self.limits.max_context_rows:
+            self._finish(t, FinishReason.CONTEXT_LIMIT)
+            return None
+        return self._request(t, self.model.prompt.step_row(text_id, t.frames[-1]), first=False)
+
+    def _next_text_id(self, t: _Turn) -> int | None:
+        """The text id the next step row carries: the next committed id, ``<|text_pad|>`` once the text ended
+        (within ``pad_credit``), else None (the stream ran dry: counted once as a stall)."""
         if t.pending:
             text_id = t.pending.pop(0)
             t.fed_text_ids += 1
@@ -462,17 +532,14 @@ class StreamState:
                 if self.pad_credit <= 0:
                     return None
                 self.pad_credit -= 1
-            text_id = lay.text_pad_id
+            text_id = self.model.layout.text_pad_id
         else:
             if not t.starved:
                 t.stats.stalls += 1
                 t.starved = True
             return None
         t.starved = False
-        if self.fed_rows + 1 > self.limits.max_context_rows:
-            self._finish(FinishReason.CONTEXT_LIMIT)
-            return None
-        return self._request(self.model.prompt.step_row(text_id, t.frames[-1]), first=False)
+        return text_id
 
     @_locked
     def on_fed(self, request: StepRequest, rows: np.ndarray) -> None:
@@ -504,9 +571,9 @@ class StreamState:
     def accept(self, request: StepRequest, codes: np.ndarray) -> Frame | None:
         """The frame the request completed; None if its turn ended meanwhile (the frame is discarded)."""
         self._in_flight = None
-        if self.aborted(request):
-            return None
         t, lay = self._turn, self.model.layout
+        if self.aborted(request) or t is None:
+            return None
         codes = np.asarray(codes, np.int64)
         if self._demo_turn_over(t):
             codes = codes.copy()
@@ -516,18 +583,18 @@ class StreamState:
         frame = Frame(index=len(t.frames) - 1, codes=codes, turn=t.serial, text_chars=self._chars_read(t))
         if codes[0] == lay.audio_eos:
             frame.eos = True
-            self._finish(FinishReason.EOS)
+            self._finish(t, FinishReason.EOS)
         elif not playable(codes, lay.codebook_size):
             t.stats.dropped_frames += 1
         else:
             frame.needs_audio = self.decode_audio
-        if not frame.eos and t.text_ended and not t.pending and t.stats.frames >= self._frame_limit():
-            self._finish(FinishReason.MAX_FRAMES)
+        if not frame.eos and t.text_ended and not t.pending and t.stats.frames >= self._frame_limit(t):
+            self._finish(t, FinishReason.MAX_FRAMES)
         return frame
 
     # ------------------------------------------------------------------ internals
-    def _request(self, rows: np.ndarray, first: bool, prefix_cuts: tuple[int, ...] = ()) -> StepRequest:
-        t, m = self._turn, self.model
+    def _request(self, t: _Turn, rows: np.ndarray, first: bool, prefix_cuts: tuple[int, ...] = ()) -> StepRequest:
+        m = self.model
         window = t.params.repetition_window
         history = np.full((window, m.layout.codebooks), m.history_pad, np.int64)
         recent = t.frames[-window:]
@@ -543,8 +610,7 @@ class StreamState:
         ends = t.committer.char_ends
         return ends[t.fed_text_ids - 1] if t.input_kind == "text" and t.fed_text_ids else 0
 
-    def _queue(self, ids: list[int]) -> int:
-        t = self._turn
+    def _queue(self, t: _Turn, ids: list[int]) -> int:
         if self.state is TurnState.DONE:
             return 0   # text after the turn ended: nothing more is generated this turn (as upstream)
         t.pending += ids
@@ -558,9 +624,8 @@ class StreamState:
         return (rate is not None and t.text_ended and not t.pending
                 and t.stats.frames >= max(1, math.ceil(rate * t.stats.text_ids)))
 
-    def _frame_limit(self) -> int:
+    def _frame_limit(self, t: _Turn) -> int:
         """The turn's frame cap: as asked, else generous for the text seen so far (final once it ended)."""
-        t = self._turn
         return t.max_frames if t.max_frames is not None else self.limits.default_max_frames(t.stats.text_ids)
 
     @_locked
@@ -569,16 +634,14 @@ class StreamState:
         out, self._finished = self._finished, []
         return out
 
-    def _finish(self, reason: FinishReason) -> None:
-        t = self._turn
+    def _finish(self, t: _Turn, reason: FinishReason) -> None:
         t.stats.finish_reason = reason
         t.stats.unfed_text_ids = len(t.pending)
         t.pending = []
         self.state = TurnState.DONE
         self._finished.append((t.serial, t.stats))
 
-    def _set_input_kind(self, kind: str) -> None:
-        t = self._turn
+    def _set_input_kind(self, t: _Turn, kind: str) -> None:
         if t.input_kind not in (None, kind):
             raise InputError(f"this turn already takes {'text deltas' if t.input_kind == 'text' else 'token ids'}; "
                              "do not mix text deltas and token ids in one turn")
@@ -588,12 +651,15 @@ class StreamState:
         if self.closed:
             raise StreamClosedError("the stream is closed")
 
-    def _require_turn(self) -> None:
+    def _require_turn(self) -> _Turn:
+        """The current (or last) turn of the open stream; InputError when none was begun."""
         self._require_open()
         if self._turn is None:
             raise InputError("no turn is open: call begin_turn first")
+        return self._turn
 
-    def _require_text_open(self) -> None:
-        self._require_turn()
-        if self._turn.text_ended:
+    def _require_text_open(self) -> _Turn:
+        t = self._require_turn()
+        if t.text_ended:
             raise InputError("text already ended for this turn")
+        return t

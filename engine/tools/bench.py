@@ -6,38 +6,46 @@ import contextlib
 import re
 import statistics
 import time
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
+import numpy.typing as npt
 
 from engine.audio.codec import Codec
 from engine.errors import InputError
 from engine.limits import Limits
-from engine.tools.roofline import ReadProbe, format_roofline, frame_bytes, roofline, stage_bytes
+from engine.model.tts import TTSModel
+from engine.tools.roofline import ReadProbe, Report, format_roofline, frame_bytes, roofline, stage_bytes
+
+if TYPE_CHECKING:          # the serving package is imported where a bench runs it, not with this module
+    from engine.serving.scheduler import Scheduler, StreamHandle
 
 
-def _probing(probe: ReadProbe | None, threads: int):
+def _probing(probe: ReadProbe | None, threads: int) -> AbstractContextManager[ReadProbe]:
     """``probe`` as it is (a caller pooling the samples of several benches), or a new one for this bench."""
     return contextlib.nullcontext(probe) if probe is not None else ReadProbe(threads)
 
 
-def bench_codec(codec: Codec, frames: int = 24, repeats: int = 3, chunk_sizes=(1, 3, 6),
-                n_quantizers: int = 16, seed: int = 0, probe: ReadProbe | None = None) -> dict:
+def bench_codec(codec: Codec, frames: int = 24, repeats: int = 3, chunk_sizes: Sequence[int] = (1, 3, 6),
+                n_quantizers: int = 16, seed: int = 0, probe: ReadProbe | None = None) -> Report:
     """ms per frame of streaming decode at each chunk size and of one-pass decode over the same frames,
     the streaming/one-pass ratio, host time outside ``session.run`` as a share, and KV bytes per stream;
     the memory read probe is sampled after the one-pass runs and after each chunk size's runs."""
     if frames < 1 or repeats < 1:
         raise InputError("bench codec needs frames >= 1 and repeats >= 1")
-    with _probing(probe, codec.bundle.threads) as probe:
-        return _bench_codec(codec, frames, repeats, chunk_sizes, n_quantizers, seed, probe)
+    with _probing(probe, codec.bundle.threads) as sampled:
+        return _bench_codec(codec, frames, repeats, chunk_sizes, n_quantizers, seed, sampled)
 
 
-def _bench_codec(codec: Codec, frames: int, repeats: int, chunk_sizes, n_quantizers: int, seed: int,
-                 probe: ReadProbe) -> dict:
+def _bench_codec(codec: Codec, frames: int, repeats: int, chunk_sizes: Sequence[int], n_quantizers: int, seed: int,
+                 probe: ReadProbe) -> Report:
     rng = np.random.default_rng(seed)
     codes = rng.integers(0, codec.codebook_size, size=(frames, n_quantizers), dtype=np.int64)
     codec.decode(codes[:2], n_quantizers)  # warm-up: session creation, first-run allocations
-    results: dict = {"frames": frames, "repeats": repeats, "n_quantizers": n_quantizers,
+    results: Report = {"frames": frames, "repeats": repeats, "n_quantizers": n_quantizers,
                      "device": codec.bundle.device, "streaming": {}}
 
     def one_pass() -> float:
@@ -49,7 +57,8 @@ def _bench_codec(codec: Codec, frames: int, repeats: int, chunk_sizes, n_quantiz
     probe.sample()
     results["one_pass_ms_per_frame"] = 1000 * statistics.median(one) / frames
     for n in chunk_sizes:
-        per_frame, host = [], []
+        per_frame: list[float] = []
+        host: list[float] = []
         for _ in range(repeats):
             dec = codec.streaming_decoder(1, n_quantizers)
             t = time.perf_counter()
@@ -66,7 +75,7 @@ def _bench_codec(codec: Codec, frames: int, repeats: int, chunk_sizes, n_quantiz
     results["kv_bytes_per_stream"] = codec.streaming_decoder(1, n_quantizers).state_bytes_per_stream
     # encode: one second of noise per repeat, ms per frame
     wav = rng.standard_normal(codec.sample_rate).astype(np.float32) * 0.1
-    enc = []
+    enc: list[float] = []
     for _ in range(repeats):
         t = time.perf_counter()
         codec.encode(wav, codec.sample_rate)
@@ -79,13 +88,15 @@ def _bench_codec(codec: Codec, frames: int, repeats: int, chunk_sizes, n_quantiz
     return results
 
 
-def format_codec_report(r: dict) -> str:
-    lines = [f"codec decode bench: {r['frames']} frames, {r['n_quantizers']} quantizers, median of {r['repeats']}, "
-             f"device {r['device']}",
+def format_codec_report(r: Report) -> str:
+    """The printed report of :func:`bench_codec`."""
+    lines = [f"codec decode bench: {r['frames']} frames, {r['n_quantizers']} quantizers, median of "
+             f"{r['repeats']}, device {r['device']}",
              f"  one-pass decode          {r['one_pass_ms_per_frame']:9.2f} ms/frame"]
     for n, s in r["streaming"].items():
-        lines.append(f"  streaming N={n:<3}          {s['ms_per_frame']:9.2f} ms/frame   x{s['ratio_to_one_pass']:.2f} "
-                     f"of one-pass   host {100 * s['host_share']:.1f}%   RTF {s['realtime_factor']:.3f}")
+        lines.append(f"  streaming N={n:<3}          {s['ms_per_frame']:9.2f} ms/frame   "
+                     f"x{s['ratio_to_one_pass']:.2f} of one-pass   host {100 * s['host_share']:.1f}%   "
+                     f"RTF {s['realtime_factor']:.3f}")
     lines.append(f"  encode                   {r['encode_ms_per_frame']:9.2f} ms/frame")
     lines.append(f"  KV state per stream      {r['kv_bytes_per_stream']:,} bytes")
     return "\n".join(lines + format_roofline(r["roofline"]))
@@ -96,12 +107,14 @@ BENCH_TEXT = ("Welcome to the world of MOSS TTS Realtime. Experience how text tr
 
 
 def peak_rss_bytes() -> int:
+    """This process's peak resident memory so far."""
     import resource  # Unix only, like the service images
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
-def bench_synth(model, frames: int = 16, repeats: int = 3, seed: int = 0, probe: ReadProbe | None = None) -> dict:
+def bench_synth(model: TTSModel, frames: int = 16, repeats: int = 3, seed: int = 0,
+                probe: ReadProbe | None = None) -> Report:
     """Per-frame cost of each stage of synthesis (median over repeats, after a warm-up run): backbone
     prefill per prompt row, backbone step, depth and TTS frame interval (all after frame 0), codec
     (1 frame per call), the real-time factor, the host share (wall time outside ``session.run`` in the
@@ -109,16 +122,16 @@ def bench_synth(model, frames: int = 16, repeats: int = 3, seed: int = 0, probe:
     memory read probe is sampled after each timed run."""
     if frames < 2 or repeats < 1:
         raise InputError("bench synth needs frames >= 2 and repeats >= 1")
-    with _probing(probe, model.bundle.threads) as probe:
-        return _bench_synth(model, frames, repeats, seed, probe)
+    with _probing(probe, model.bundle.threads) as sampled:
+        return _bench_synth(model, frames, repeats, seed, sampled)
 
 
-def _bench_synth(model, frames: int, repeats: int, seed: int, probe: ReadProbe) -> dict:
+def _bench_synth(model: TTSModel, frames: int, repeats: int, seed: int, probe: ReadProbe) -> Report:
     from engine.offline.session import StreamingSession
 
     ids = model.tokenizer.encode(BENCH_TEXT)
     n0 = model.layout.text_lead
-    runs = []
+    runs: list[dict[str, float]] = []
     for run in range(repeats + 1):
         if run > 1:
             probe.sample()                          # after each timed run but the last (sampled below)
@@ -150,11 +163,11 @@ def _bench_synth(model, frames: int, repeats: int, seed: int, probe: ReadProbe) 
             "host_share": (loop_s - inside) / loop_s if loop_s else 0.0,
         })
     probe.sample()
-    med = {k: statistics.median(r[k] for r in runs[1:]) for k in runs[0]}
+    med: Report = {k: statistics.median(r[k] for r in runs[1:]) for k in runs[0]}
     frame_s = model.codec.frame_seconds
     med["rtf"] = (med["frame_ms"] + med["codec_ms"]) / (1000 * frame_s)
     med.update(frames=frames, repeats=repeats, device=model.bundle.device, peak_rss_bytes=peak_rss_bytes(),
-               tts_dtype=model.bundle.info.tts.dtype, codec_dtype=model.bundle.info.codec.dtype)
+               tts_dtype=model.bundle.section("tts").dtype, codec_dtype=model.bundle.section("codec").dtype)
     per_call = stage_bytes(model.bundle)
     med["roofline"] = roofline({"backbone step": (per_call["backbone step"], med["backbone_step_ms"]),
                                 "depth": (per_call["depth"], med["depth_ms"]),
@@ -164,10 +177,11 @@ def _bench_synth(model, frames: int, repeats: int, seed: int, probe: ReadProbe) 
     return med
 
 
-def format_synth_report(r: dict) -> str:
+def format_synth_report(r: Report) -> str:
+    """The printed report of :func:`bench_synth`."""
     return "\n".join([
-        f"synth bench: {r['frames']} frames, median of {r['repeats']} (after a warm-up run), device {r['device']}, "
-        f"tts {r['tts_dtype']}, codec {r['codec_dtype']}",
+        f"synth bench: {r['frames']} frames, median of {r['repeats']} (after a warm-up run), "
+        f"device {r['device']}, tts {r['tts_dtype']}, codec {r['codec_dtype']}",
         f"  backbone prefill        {r['prefill_ms_per_row']:9.2f} ms/row  ({r['prefill_rows']} rows)",
         f"  first frame (prefill + depth) {r['first_frame_ms']:9.1f} ms",
         f"  backbone step           {r['backbone_step_ms']:9.2f} ms/frame",
@@ -196,7 +210,8 @@ def _percentile(values: list[float], q: float) -> float:
     return float(np.percentile(np.asarray(values), q)) if values else float("nan")
 
 
-def bench_streams(model, streams=(1, 2, 4, 8, 16), frames: int = 32, seed: int = 0) -> dict:
+def bench_streams(model: TTSModel, streams: Sequence[int] = (1, 2, 4, 8, 16), frames: int = 32,
+                  seed: int = 0) -> Report:
     """N concurrent streams with different texts through one scheduler (its prefix cache warm, as in the
     service): aggregate frames/s, per-stream frame interval p50/p99, time to first frame under load, the
     ratio to one stream, and KV bytes."""
@@ -206,15 +221,16 @@ def bench_streams(model, streams=(1, 2, 4, 8, 16), frames: int = 32, seed: int =
 
     if frames < 2 or any(n < 1 for n in streams):
         raise InputError("bench streams needs frames >= 2 and stream counts >= 1")
-    texts = [model.tokenizer.encode(" ".join(STREAM_TEXTS[i:] + STREAM_TEXTS[:i]) * 3) for i in range(len(STREAM_TEXTS))]
+    texts = [model.tokenizer.encode(" ".join(STREAM_TEXTS[i:] + STREAM_TEXTS[:i]) * 3)
+             for i in range(len(STREAM_TEXTS))]
 
-    def run(n: int) -> dict:
+    def run(n: int) -> Report:
         # as the service runs: the system prompt's KV comes from the prefix cache (computed before timing)
         scheduler = Scheduler(model, slots=n, prefix_cache_bytes=4 * model.kv_bytes_per_slot(
             len(model.prompt.tts_prompt(None))))
         scheduler.warm_prefix(None)
         scheduler.wait_warm()                   # its bucket warm-up (--warm-buckets on) is not measured
-        stats = [None] * n
+        stats: list[tuple[float, list[float]] | None] = [None] * n      # per stream: its start, its frames' times
 
         def one(i: int) -> None:
             h = scheduler.open_stream(params=model.default_sampling(), seed=seed + i)
@@ -222,7 +238,7 @@ def bench_streams(model, streams=(1, 2, 4, 8, 16), frames: int = 32, seed: int =
             h.begin_turn(max_frames=frames, wait=60)
             h.push_token_ids(texts[i % len(texts)])
             h.end_text()
-            times = []
+            times: list[float] = []
             while True:
                 event = h.get(timeout=600)
                 if isinstance(event, FrameEvent):
@@ -241,15 +257,18 @@ def bench_streams(model, streams=(1, 2, 4, 8, 16), frames: int = 32, seed: int =
         for t in threads:
             t.join()
         wall = time.perf_counter() - t_start
+        finished = [s for s in stats if s is not None]
+        assert len(finished) == n, "every stream's thread finished its turn (a failed one printed its traceback)"
         bytes_per_stream = scheduler.runner.bytes_per_stream()
         timing = scheduler.runner.timing
         scheduler.stop()
-        intervals = [b - a for _, ts in stats for a, b in zip(ts, ts[1:])]
-        total = sum(len(ts) for _, ts in stats)
+        intervals = [b - a for _, ts in finished for a, b in zip(ts, ts[1:])]
+        total = sum(len(ts) for _, ts in finished)
         return {"streams": n, "frames": total, "wall_s": wall, "frames_per_s": total / wall,
-                "interval_ms_p50": 1000 * _percentile(intervals, 50), "interval_ms_p99": 1000 * _percentile(intervals, 99),
-                "first_frame_ms_p50": 1000 * _percentile([ts[0] - t0 for t0, ts in stats if ts], 50),
-                "first_frame_ms_max": 1000 * max(ts[0] - t0 for t0, ts in stats if ts),
+                "interval_ms_p50": 1000 * _percentile(intervals, 50),
+                "interval_ms_p99": 1000 * _percentile(intervals, 99),
+                "first_frame_ms_p50": 1000 * _percentile([ts[0] - t0 for t0, ts in finished if ts], 50),
+                "first_frame_ms_max": 1000 * max(ts[0] - t0 for t0, ts in finished if ts),
                 "backbone_steps": timing.step.calls, "depth_calls": timing.depth.calls,
                 "kv_bytes_in_use": n * bytes_per_stream, "kv_bytes_per_stream": bytes_per_stream}
 
@@ -258,13 +277,14 @@ def bench_streams(model, streams=(1, 2, 4, 8, 16), frames: int = 32, seed: int =
     base = results[0]["frames_per_s"] if results and results[0]["streams"] == 1 else None
     for r in results:
         r["speedup_vs_1"] = r["frames_per_s"] / base if base else None
-    return {"device": model.bundle.device, "tts_dtype": model.bundle.info.tts.dtype, "frames_per_stream": frames,
+    return {"device": model.bundle.device, "tts_dtype": model.bundle.section("tts").dtype, "frames_per_stream": frames,
             "kv_rows_per_slot": Limits().max_context_rows, "runs": results, "peak_rss_bytes": peak_rss_bytes()}
 
 
-def format_streams_report(r: dict) -> str:
-    lines = [f"streams bench: {r['frames_per_stream']} frames per stream, device {r['device']}, tts {r['tts_dtype']}, "
-             f"KV slot {r['kv_rows_per_slot']} rows",
+def format_streams_report(r: Report) -> str:
+    """The printed report of :func:`bench_streams`."""
+    lines = [f"streams bench: {r['frames_per_stream']} frames per stream, device {r['device']}, "
+             f"tts {r['tts_dtype']}, KV slot {r['kv_rows_per_slot']} rows",
              "  streams   frames/s   x one   interval p50/p99 ms   first frame p50/max ms   KV in use"]
     for x in r["runs"]:
         speed = f"x{x['speedup_vs_1']:.2f}" if x["speedup_vs_1"] else "  -"
@@ -275,13 +295,15 @@ def format_streams_report(r: dict) -> str:
     return "\n".join(lines)
 
 
-def profile_summary(files, top: int = 15) -> str:
+def profile_summary(files: Sequence[str | Path], top: int = 15) -> str:
     """Top ops of onnxruntime profiles by time: per op type and per module (node names carry the module
     path, e.g. ``language_model.layers.3.self_attn/MatMulNBits_120``)."""
     import collections
     import json
 
-    by_op, by_module, total = collections.Counter(), collections.Counter(), 0.0
+    by_op: collections.Counter[str] = collections.Counter()
+    by_module: collections.Counter[str] = collections.Counter()
+    total = 0.0
     for path in files:
         for event in json.loads(Path(path).read_text()):
             if event.get("cat") != "Node" or not event.get("name", "").endswith("_kernel_time"):
@@ -313,7 +335,8 @@ BASELINE_CPU = {
 }
 
 
-def _ttfa(scheduler, model, ids, voice=None, user_text: str = "", handle=None) -> tuple[float, object]:
+def _ttfa(scheduler: Scheduler, model: TTSModel, ids: Sequence[int], voice: npt.NDArray[np.int64] | None = None,
+          user_text: str = "", handle: StreamHandle | None = None) -> tuple[float, StreamHandle]:
     """Milliseconds from a turn's first text to its first audio through the scheduler (12 ids, as an LLM
     would have streamed them by then)."""
     from engine.serving.scheduler import FrameEvent, StreamError, TurnEnd
@@ -332,18 +355,22 @@ def _ttfa(scheduler, model, ids, voice=None, user_text: str = "", handle=None) -
         elif isinstance(event, StreamError):
             raise event.error
         elif isinstance(event, TurnEnd):
+            assert first is not None, "a turn of 6 frames has audio before its end"
             return 1000 * first, h
 
 
-def bench_parking(model, ids, context_rows: int = 1000, repeats: int = 3) -> dict:
+def bench_parking(model: TTSModel, ids: Sequence[int], context_rows: int = 1000, repeats: int = 3) -> Report:
     """What parking costs a conversation of ``context_rows`` rows: the time to first audio of its next turn
     kept in its slot, and of the same turn after another stream's turn parked it (one slot, so every turn of
     the other stream parks the conversation and every turn of the conversation parks the other), the turn
     that parks it, and the resume itself (admission to rows back in the slot)."""
     from engine.serving.scheduler import Scheduler
 
-    need_rows = lambda h: max(0, context_rows - h.context_rows - len(ids) - 8)
-    kept, parking, resumed, resume_ms = [], [], [], []
+    need_rows: Callable[[StreamHandle], int] = lambda h: max(0, context_rows - h.context_rows - len(ids) - 8)
+    kept: list[float] = []
+    parking: list[float] = []
+    resumed: list[float] = []
+    resume_ms: list[float] = []
     row_bytes = model.kv_bytes_per_slot(1) // 2
     sch = Scheduler(model, slots=1, limits=Limits(max_context_rows=max(2 * context_rows, 512)),
                     parked_bytes=4 * row_bytes * (context_rows + 512))
@@ -357,7 +384,7 @@ def bench_parking(model, ids, context_rows: int = 1000, repeats: int = 3) -> dic
             _ttfa(sch, model, ids, user_text=" ".join([BENCH_TEXT] * sentences), handle=h)
             if sentences < per_turn:
                 break
-        g = None
+        g: StreamHandle | None = None
         for _ in range(repeats):
             kept.append(_ttfa(sch, model, ids, user_text="And then?", handle=h)[0])
             ms, g = _ttfa(sch, model, ids, handle=g)           # no free slot: h is parked
@@ -367,19 +394,21 @@ def bench_parking(model, ids, context_rows: int = 1000, repeats: int = 3) -> dic
             resumed.append(_ttfa(sch, model, ids, user_text="And then?", handle=h)[0])   # g parked, h resumed
             resume_ms += [1000 * s for s in sch.take_resume_seconds()]
         stats = sch.stats().parking
+        assert stats is not None and g is not None, "the scheduler parks (parked_bytes > 0) and repeats >= 1"
         g.close()
         h.close()
     finally:
         sch.stop()
-    return {"context_rows": rows, "parked_bytes": rows * row_bytes, "parks": stats.parks, "resumes": stats.resumes,
+    return {"context_rows": rows, "parked_bytes": rows * row_bytes, "parks": stats.parks,
+            "resumes": stats.resumes,
             "resume_ms": statistics.median(resume_ms), "resume_samples": len(resume_ms),
             "time_to_first_audio_ms": {f"next turn at {rows} rows, kept in its slot": statistics.median(kept),
                                        f"next turn at {rows} rows, parked and resumed": statistics.median(resumed),
                                        f"a turn that parks a {rows}-row context": statistics.median(parking)}}
 
 
-def bench_compare(model, frames: int = 8, streams: int = 8, voice_seconds: float = 10.0, repeats: int = 3,
-                  context_rows: int = 1000) -> dict:
+def bench_compare(model: TTSModel, frames: int = 8, streams: int = 8, voice_seconds: float = 10.0,
+                  repeats: int = 3, context_rows: int = 1000) -> Report:
     """Per-stage ms, time to first audio (text only, registered voice, second turn, a turn of a conversation
     of ``context_rows`` rows kept in its slot and parked), frames/s at 1 and ``streams`` streams, memory;
     each with its ratio to the upstream PyTorch CPU baseline."""
@@ -414,6 +443,7 @@ def bench_compare(model, frames: int = 8, streams: int = 8, voice_seconds: float
             ms, h = _ttfa(scheduler, model, ids, voice=voice)
             h.close()
             ttfa["registered voice"].append(ms)
+        assert scheduler.prefix_cache is not None, "made with prefix_cache_bytes > 0"
         prefix_stats = scheduler.prefix_cache.stats
     finally:
         scheduler.stop()
@@ -433,8 +463,8 @@ def bench_compare(model, frames: int = 8, streams: int = 8, voice_seconds: float
                      probe.result())
     lines.update(frame_bytes=frame_bytes(per_call, 6), codec_frames_per_call=6)
     return {
-        "device": model.bundle.device, "tts_dtype": model.bundle.info.tts.dtype,
-        "codec_dtype": model.bundle.info.codec.dtype,
+        "device": model.bundle.device, "tts_dtype": model.bundle.section("tts").dtype,
+        "codec_dtype": model.bundle.section("codec").dtype,
         "stages_ms": {"prefill_per_row": synth["prefill_ms_per_row"], "backbone_step": synth["backbone_step_ms"],
                       "depth": synth["depth_ms"], "tts_frame": frame_ms,
                       **{f"codec_{n}_per_frame": s["ms_per_frame"] for n, s in codec["streaming"].items()},
@@ -445,8 +475,10 @@ def bench_compare(model, frames: int = 8, streams: int = 8, voice_seconds: float
         "frames_per_s": {r["streams"]: r["frames_per_s"] for r in runs},
         "peak_rss_bytes": peak_rss_bytes(),
         "kv_bytes_per_row": model.kv_bytes_per_slot(1) // 2,
-        "kv_bytes_per_stream": {"4096 rows": model.kv_bytes_per_slot(4096) + model.codec.decoder_bytes_per_stream()},
-        "prefix_kv_bytes": {"system prompt": len(model.prompt.tts_prompt(None)) * (model.kv_bytes_per_slot(1) // 2),
+        "kv_bytes_per_stream": {"4096 rows": model.kv_bytes_per_slot(4096)
+                                + model.codec.decoder_bytes_per_stream()},
+        "prefix_kv_bytes": {"system prompt": len(model.prompt.tts_prompt(None))
+                            * (model.kv_bytes_per_slot(1) // 2),
                             f"system prompt + {voice_seconds:g} s voice":
                                 len(model.prompt.tts_prompt(voice)) * (model.kv_bytes_per_slot(1) // 2)},
         "prefix_cache": {"hits": prefix_stats.hits, "entries": prefix_stats.entries},
@@ -455,9 +487,12 @@ def bench_compare(model, frames: int = 8, streams: int = 8, voice_seconds: float
     }
 
 
-def format_compare_report(r: dict) -> str:
+def format_compare_report(r: Report) -> str:
+    """The printed report of :func:`bench_compare`, each figure beside the upstream baseline."""
     b = r["baseline"]
-    ratio = lambda ours, base: f"{ours / base:6.3f}x" if base else ""
+
+    def ratio(ours: float, base: float) -> str:
+        return f"{ours / base:6.3f}x" if base else ""
     st = r["stages_ms"]
     rows = [("prefill per row", st["prefill_per_row"], b["prefill_ms_per_row"]),
             ("backbone step", st["backbone_step"], b["backbone_step_ms"]),
@@ -480,19 +515,20 @@ def format_compare_report(r: dict) -> str:
                  f"{p['resume_ms']:.1f} ms (admission to rows back in the slot, median of {p['resume_samples']})")
     fps = r["frames_per_s"]
     one, many = min(fps), max(fps)
-    lines.append(f"  frames/s: 1 stream {fps[one]:.2f}, {many} streams {fps[many]:.2f} (x{fps[many] / fps[one]:.2f}); "
-                 f"baseline 1 stream {1000 / b['tts_frame_ms']:.2f}")
+    lines.append(f"  frames/s: 1 stream {fps[one]:.2f}, {many} streams {fps[many]:.2f} "
+                 f"(x{fps[many] / fps[one]:.2f}); baseline 1 stream {1000 / b['tts_frame_ms']:.2f}")
     lines.append(f"  peak RSS {r['peak_rss_bytes'] / 2**30:.2f} GiB (baseline TTS + codec processes "
                  f"{b['peak_rss_gib']:.2f} GiB)")
-    lines.append(f"  KV: {_size(r['kv_bytes_per_row'])} per context row; a stream of 4096 rows with its codec rings "
-                 f"{_size(r['kv_bytes_per_stream']['4096 rows'])}")
+    lines.append(f"  KV: {_size(r['kv_bytes_per_row'])} per context row; a stream of 4096 rows with its codec "
+                 f"rings {_size(r['kv_bytes_per_stream']['4096 rows'])}")
     for name, n in r["prefix_kv_bytes"].items():
         lines.append(f"  cached prefix KV, {name}: {_size(n)}")
     return "\n".join(lines + format_roofline(r["roofline"]))
 
 
 def _size(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
+    for unit in ("B", "KiB", "MiB"):
+        if n < 1024:
             return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
         n /= 1024
+    return f"{n:.1f} GiB"

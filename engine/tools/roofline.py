@@ -8,14 +8,20 @@ import multiprocessing
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
+from multiprocessing.pool import Pool
+from typing import Any
 
 import numpy as np
 
+from engine.runtime.bundle import Bundle
 from engine.runtime.graph_stats import bundle_weight_bytes
 
 PROBE_BYTES = 1 << 30       # 1 GiB: far beyond any last-level cache
 PROBE_REPEATS = 5
 FRAME_SECONDS = 0.08        # one frame of audio: the real-time budget of a frame
+
+# a probe sample, a roofline, a bench's results: JSON-shaped reports (printed, or written with --json)
+Report = dict[str, Any]
 
 
 def probe_threads(threads: int) -> int:
@@ -30,29 +36,37 @@ class ReadProbe:
     bench (so its buffer never shows in the bench's peak RSS, and numpy is imported once); ``result()``
     gives the median sample, with every sample's bandwidth beside it."""
 
-    def __init__(self, threads: int = 0, nbytes: int = PROBE_BYTES, repeats: int = PROBE_REPEATS):
+    def __init__(self, threads: int = 0, nbytes: int = PROBE_BYTES, repeats: int = PROBE_REPEATS) -> None:
         self.threads, self.nbytes, self.repeats = probe_threads(threads), nbytes, repeats
-        self.samples: list[dict] = []
-        self._pool = None
+        self.samples: list[Report] = []
+        self._pool: Pool | None = None        # the probe's child process, while entered
 
     def __enter__(self) -> "ReadProbe":
         self._pool = multiprocessing.get_context("spawn").Pool(1)
         return self
 
-    def __exit__(self, *exc) -> None:
-        self._pool.terminate()
-        self._pool.join()
+    def __exit__(self, *exc: object) -> None:
+        pool = self._entered()
+        pool.terminate()
+        pool.join()
 
-    def sample(self) -> dict:
-        s = self._pool.apply(_read_probe, (self.threads, self.nbytes, self.repeats))
+    def sample(self) -> Report:
+        """Run one probe in the child process and keep its result."""
+        s: Report = self._entered().apply(_read_probe, (self.threads, self.nbytes, self.repeats))
         self.samples.append(s)
         return s
 
-    def result(self) -> dict:
+    def result(self) -> Report:
+        """The samples so far as one probe result (:func:`combine_probes`)."""
         return combine_probes(self.samples)
 
+    def _entered(self) -> Pool:
+        if self._pool is None:
+            raise RuntimeError("a ReadProbe samples inside its 'with' block only")
+        return self._pool
 
-def combine_probes(samples: list[dict]) -> dict:
+
+def combine_probes(samples: list[Report]) -> Report:
     """One probe result from several samples: the median sample's figures (upper median for an even count),
     and ``samples_bytes_per_s``, every sample's bandwidth in the order taken."""
     if not samples:
@@ -61,18 +75,19 @@ def combine_probes(samples: list[dict]) -> dict:
     return dict(mid, samples_bytes_per_s=[s["bytes_per_s"] for s in samples])
 
 
-def _read_probe(n: int, nbytes: int, repeats: int) -> dict:
+def _read_probe(n: int, nbytes: int, repeats: int) -> Report:
     """The best of ``repeats`` passes of ``n`` threads each taking the maximum of its share of an
     ``nbytes`` int32 buffer. A maximum, not a sum: numpy's float sum is pairwise and on some machines
-    arithmetic-bound (a 2-core Xeon here: 15-17 GB/s summing float64 where the maximum of the same bytes
-    read 27-29 GB/s, and onnxruntime's one-row fp32 MatMul streamed its weights at 23), so a probe by sums
-    put the stages above 100 % of the machine. numpy's integer maximum is a SIMD compare per vector, far
-    below any memory's rate on every core we know of."""
+    arithmetic-bound, slower than the memory and than onnxruntime's own weight reads, so a probe by sums put
+    the stages above 100 % of the machine (measured in docs/performance.md, *The bandwidth roofline*).
+    numpy's integer maximum is a SIMD compare per vector, far below any memory's rate on every core we know
+    of."""
     buf = np.ones(max(nbytes // 4, n), np.int32)            # written once: every page is resident
     slices = np.array_split(buf, n)
     for i, part in enumerate(slices):
         part[-1] = 2 + i                                    # each share's last element: read through its end
-    best, peaks = float("inf"), []
+    best = float("inf")
+    peaks: list[np.int32] = []
     with ThreadPoolExecutor(n) as pool:
         for _ in range(repeats):
             t = time.perf_counter()
@@ -84,7 +99,7 @@ def _read_probe(n: int, nbytes: int, repeats: int) -> dict:
             "bytes_per_s": buf.nbytes / best}
 
 
-def stage_bytes(bundle) -> dict[str, int]:
+def stage_bytes(bundle: Bundle) -> dict[str, int]:
     """Weight bytes per call of the per-frame stages present in ``bundle``: the backbone step, the depth
     call and the codec decoder call (the same bytes whether it decodes one frame or six)."""
     per_graph = bundle_weight_bytes(bundle)
@@ -92,10 +107,10 @@ def stage_bytes(bundle) -> dict[str, int]:
     return {stage: per_graph[g] for stage, g in names.items() if g in per_graph}
 
 
-def roofline(stages: dict[str, tuple[int, float]], probe: dict) -> dict:
+def roofline(stages: dict[str, tuple[int, float]], probe: Report) -> Report:
     """Per stage ``name -> (bytes per call, ms per call)``: bytes, ms, the bandwidth achieved (bytes / time)
     and its share of ``probe``'s bandwidth."""
-    rows = {}
+    rows: dict[str, Report] = {}
     for name, (nbytes, ms) in stages.items():
         nbytes = int(nbytes)
         bps = nbytes / (ms / 1000) if ms > 0 else float("nan")
@@ -110,13 +125,14 @@ def frame_bytes(per_call: dict[str, int], codec_frames_per_call: int) -> int:
             + per_call.get("codec call", 0) // codec_frames_per_call)
 
 
-def format_roofline(r: dict) -> list[str]:
+def format_roofline(r: Report) -> list[str]:
+    """The report's lines for a :func:`roofline` (with its probe and, when given, the steady frame's bytes)."""
     p = r["probe"]
     seen = p.get("samples_bytes_per_s", [p["bytes_per_s"]])
     spread = (f"median of {len(seen)} probes between the runs, {min(seen) / 1e9:.1f}-{max(seen) / 1e9:.1f}; "
               if len(seen) > 1 else "")
-    lines = [f"  roofline: memory read probe {p['bytes_per_s'] / 1e9:.1f} GB/s ({spread}{p['bytes'] / 2**30:.1f} GiB, "
-             f"{p['threads']} threads, each best of {p['repeats']})",
+    lines = [f"  roofline: memory read probe {p['bytes_per_s'] / 1e9:.1f} GB/s ({spread}{p['bytes'] / 2**30:.1f} "
+             f"GiB, {p['threads']} threads, each best of {p['repeats']})",
              f"    {'stage':<40} {'weights read':>13} {'ms':>9} {'GB/s':>7} {'roofline':>9}"]
     for name, s in r["stages"].items():
         lines.append(f"    {name:<40} {s['bytes'] / 1e6:10.1f} MB {s['ms']:9.2f} {s['bytes_per_s'] / 1e9:7.2f} "

@@ -1,0 +1,34 @@
+"""What a runner's tick reports (:class:`TickResult`) and what its calls cost over time (:class:`RunnerTiming`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.runtime.timing import CallTiming
+from engine.serving.stream import Frame, StreamState, TurnStats
+
+
+@dataclass
+class RunnerTiming:
+    """The runner's call timings and counts since it was made (metrics, benchmarks, tests)."""
+
+    prefill: CallTiming = field(default_factory=CallTiming)
+    step: CallTiming = field(default_factory=CallTiming)
+    depth: CallTiming = field(default_factory=CallTiming)
+    codec: CallTiming = field(default_factory=CallTiming)
+    ticks: int = 0
+    tick_s: float = 0.0
+    prefix_rows_copied: int = 0
+    idle_rows_stepped: int = 0         # step rows of streams between turns riding in the bucket (0 when slots
+                                       # are kept in order: docs/architecture.md, "Batch buckets at fixed addresses")
+    slot_trades: int = 0               # a generating stream moved below an idle one (rows and codec rings copied)
+
+
+@dataclass
+class TickResult:
+    """One tick's outcome: frames handed back (in order, with their audio), turns ended, streams failed."""
+
+    frames: list[tuple[StreamState, Frame]] = field(default_factory=list)
+    turn_ends: list[tuple[StreamState, int, TurnStats]] = field(default_factory=list)
+    failed: list[tuple[StreamState, Exception]] = field(default_factory=list)
+    worked: bool = False               # any graph ran
