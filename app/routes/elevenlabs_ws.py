@@ -37,7 +37,8 @@ from ..service import SamplingFields
 from ..session.conversation import Conversation
 from ..session.policy import speakable
 from ..session.pump import Audio, Ended, TurnAudio
-from ..session.wire import SessionEnd, WireSession
+from ..session.websocket import WebSocketSession
+from ..session.wire import SessionEnd
 
 log = logging.getLogger("mossrt.elevenlabs")
 router = APIRouter()
@@ -75,7 +76,7 @@ async def stream_input(ws: WebSocket, voice_id: str):
     await ElevenLabsSession(ws, ws.app.state.service, voice_id, multi=False).serve()
 
 
-class ElevenLabsSession(WireSession):
+class ElevenLabsSession(WebSocketSession):
     protocol = "elevenlabs"
 
     def __init__(self, ws: WebSocket, service, voice_id: str, multi: bool):
@@ -138,8 +139,8 @@ class ElevenLabsSession(WireSession):
             first, self._first = self._first, None
             await self.on_data(first)
 
-    def render_error(self, err: ApiError, fatal: bool, context_id: str | None = None) -> dict:
-        return err.elevenlabs_message(context_id if self.multi else None)
+    def render_error(self, err: ApiError, fatal: bool, **context: str | None) -> dict:
+        return err.elevenlabs_message(context.get("context_id") if self.multi else None)
 
     # ------------------------------------------------------------------ timers
     def busy(self) -> bool:
@@ -184,7 +185,7 @@ class ElevenLabsSession(WireSession):
         except ApiError as e:
             if e.status >= 500 and e.status != 503:
                 raise
-            self.metrics.requests.labels(self.path, str(e.status)).inc()
+            self.count_request(str(e.status))
             await self.refuse(e, context_id=msg.context_id)
         if self._closing and (self.multi or self.active is None):
             await self._close(1000)
@@ -193,7 +194,7 @@ class ElevenLabsSession(WireSession):
         if msg.close_socket:
             self._closing = True
             if self.active is not None:
-                self.conversation.cancel()
+                self.started_conversation.cancel()
             return
         cid = (msg.context_id or "default") if self.multi else SINGLE_CONTEXT
         ctx = self.contexts.get(cid)
@@ -276,7 +277,7 @@ class ElevenLabsSession(WireSession):
             ctx.flush_pending = True
         elif self.active is ctx and not ctx.turn_ended:
             ctx.turn_ended = True
-            self.conversation.end_text()
+            self.started_conversation.end_text()
 
     def _unflushed(self, ctx: Context) -> bool:
         return (self.active is ctx and not ctx.turn_ended) or (bool(ctx.pending) and not ctx.flush_pending)
@@ -294,7 +295,7 @@ class ElevenLabsSession(WireSession):
         ctx.close_requested = True
         ctx.pending.clear()
         if self.active is ctx:
-            self.conversation.cancel()
+            self.started_conversation.cancel()
         elif self._starting is ctx:
             # its turn waits for a slot: the wait is cancelled (it leaves the queue); _start_next sends its isFinal
             if self._start_wait is not None:
@@ -335,7 +336,7 @@ class ElevenLabsSession(WireSession):
             except ApiError as e:
                 if e.code == "max_turns":
                     raise SessionEnd(e) from None
-                self.metrics.requests.labels(self.path, str(e.status)).inc()
+                self.count_request(str(e.status))
                 if not ctx.cancelled:
                     await self.error(e, context_id=ctx.id)
                 ctx.pending.clear()
@@ -347,17 +348,17 @@ class ElevenLabsSession(WireSession):
                 await self._finish_context(ctx)          # closed while it waited: no turn was opened
                 continue
             if ctx.cancelled:
-                self.conversation.cancel()               # closed as its slot came: on_ended sends its isFinal
+                self.started_conversation.cancel()        # closed as its slot came: on_ended sends its isFinal
                 return
             text, ctx.pending = "".join(ctx.pending), []
             self.push_text(text)
             if ctx.flush_pending:
                 ctx.flush_pending, ctx.turn_ended = False, True
-                self.conversation.end_text()
+                self.started_conversation.end_text()
 
     async def _begin_turn(self, ctx: Context) -> bool:
         """Open the context's turn on the conversation's stream (False: its wait for a slot was cancelled)."""
-        conv = self.conversation
+        conv = self.started_conversation
         params = self.service.sampling(SamplingFields(greedy=self.service.settings.elevenlabs_greedy or None))
         if conv.context_rows > (1 - FRESH_CONTEXT_BELOW) * self.service.limits.max_context_rows:
             log.info("conversation context full (%d rows): the next turn starts a fresh one", conv.context_rows)
@@ -372,6 +373,7 @@ class ElevenLabsSession(WireSession):
         ctx.aligner.new_turn()
         ctx.frames_sent = 0
         rate, fmt = self.service.model.codec.sample_rate, self.format
+        assert fmt is not None, "open() parsed the output format"
         self.turn = TurnAudio(meter, make_encoder=lambda: fmt.encoder(rate))
         return True
 
@@ -393,18 +395,19 @@ class ElevenLabsSession(WireSession):
         return True
 
     async def _admit(self, params) -> None:
-        conv = self.conversation
+        conv = self.started_conversation
         try:
             await conv.begin_turn(params)                # awaits a slot, holds no thread
         except ApiError as e:
             if e.code != "input_too_long" or conv.handle is None:
                 raise
-            conv.close_stream_for_fresh_context()                                 # the conversation is full: continue on a fresh context
+            conv.close_stream_for_fresh_context()        # the conversation is full: continue on a fresh context
             await conv.begin_turn(params)
 
     # ------------------------------------------------------------------ the turn's events
     async def on_audio(self, out: Audio) -> None:
         ctx = self.active
+        assert ctx is not None, "audio comes for the active context's turn"
         ctx.frames_sent += 1
         span = ctx.aligner.frame(out.frame.text_chars, out.frame.audio, FRAME_MS)
         alignment = span.message() if span is not None else None
@@ -417,7 +420,8 @@ class ElevenLabsSession(WireSession):
     async def on_ended(self, out: Ended, turn: TurnAudio) -> None:
         ctx = self.active
         reason = out.stats.finish_reason
-        self.metrics.requests.labels(self.path, "200" if reason is not FinishReason.ERROR else "500").inc()
+        self.count_request("200" if reason is not FinishReason.ERROR else "500")
+        assert ctx is not None, "a turn's end comes for the active context"
         span = None if ctx.cancelled or reason is FinishReason.CANCELLED else ctx.aligner.rest()
         alignment = span.message() if span is not None else None
         if out.tail or alignment:
@@ -425,7 +429,7 @@ class ElevenLabsSession(WireSession):
                                             "alignment": alignment, "normalizedAlignment": alignment}, ctx))
         if reason is FinishReason.CANCELLED:
             try:   # keep in the conversation only what was sent
-                self.conversation.truncate_turn(ctx.frames_sent)
+                self.started_conversation.truncate_turn(ctx.frames_sent)
             except InputError as e:
                 log.warning("could not truncate the cancelled turn: %s", e)
         self.active = None

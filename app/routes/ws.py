@@ -13,6 +13,7 @@ import binascii
 import math
 import secrets
 
+import numpy as np
 from fastapi import APIRouter, WebSocket
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, ValidationError
 from starlette.concurrency import run_in_threadpool
@@ -28,7 +29,8 @@ from ..service import SamplingFields
 from ..session.conversation import Conversation
 from ..session.policy import speakable
 from ..session.pump import Audio, Ended, TurnAudio
-from ..session.wire import SessionEnd, WireSession
+from ..session.websocket import WebSocketSession
+from ..session.wire import SessionEnd
 from ..uploads import decode_upload
 
 router = APIRouter()
@@ -84,7 +86,7 @@ async def speech_stream(ws: WebSocket):
     await OurSession(ws, ws.app.state.service).serve()
 
 
-class OurSession(WireSession):
+class OurSession(WebSocketSession):
     protocol = "ws"
     path = PATH
 
@@ -93,11 +95,11 @@ class OurSession(WireSession):
         self.session_id = "sess_" + secrets.token_hex(8)
         self.format = "pcm"
         self.sample_rate: int | None = None     # output rate; None: the model's
-        self.voice_spec = None
+        self.voice_spec: str | dict | None = None
         self.sampling = SamplingFields()
         self.max_frames: int | None = None
         self.user_text = ""
-        self.user_audio = None
+        self.user_audio: np.ndarray | None = None
         self.response_id: str | None = None
         self.last_response: str | None = None
         self.turn_refused = False         # a turn failed to open: its remaining text is refused
@@ -117,8 +119,8 @@ class OurSession(WireSession):
                        "max_context_rows": self.service.limits.max_context_rows,
                        "max_voice_seconds": self.service.limits.max_voice_seconds}})
 
-    def render_error(self, err: ApiError, fatal: bool, event_id: str | None = None) -> dict:
-        return err.ws_message(fatal, event_id)
+    def render_error(self, err: ApiError, fatal: bool, **context: str | None) -> dict:
+        return err.ws_message(fatal, context.get("event_id"))
 
     @property
     def turn_open(self) -> bool:
@@ -138,13 +140,13 @@ class OurSession(WireSession):
         try:
             await handler(data)
         except ValidationError as e:
-            err = e.errors()[0]
-            where = ".".join(str(p) for p in err["loc"])
-            await self.refuse(ApiError("invalid_value", f"{data['type']}: {where}: {err['msg']}"), event_id=event_id)
+            first = e.errors()[0]
+            where = ".".join(str(p) for p in first["loc"])
+            await self.refuse(ApiError("invalid_value", f"{data['type']}: {where}: {first['msg']}"), event_id=event_id)
         except (ApiError, EngineError) as e:
             err = from_engine(e)
             if err.code != "turn_refused":    # echoes of a refusal already counted (the 429) are not requests
-                self.metrics.requests.labels(PATH, str(err.status)).inc()
+                self.count_request(str(err.status))
             if err.status == 503 or err.code == "max_turns":
                 raise SessionEnd(err) from None
             await self.refuse(err, event_id=event_id)
@@ -221,7 +223,7 @@ class OurSession(WireSession):
         Conversation.check_text(msg.text)                # refused before it can open (and count) a turn
         self._refuse_text_of_refused_turn()
         await self._open_turn()
-        self.conversation.check_takes_text()
+        self.started_conversation.check_takes_text()
         self.check_buffer(len(msg.text))                 # characters, not the tokens they commit to
         self.push_text(msg.text)
 
@@ -233,9 +235,9 @@ class OurSession(WireSession):
         self.service.model.check_text_ids(msg.ids)        # refuse bad ids before a turn opens
         self._refuse_text_of_refused_turn()
         await self._open_turn()
-        self.conversation.check_takes_text()
+        self.started_conversation.check_takes_text()
         self.check_buffer(len(msg.ids))                  # a token id counts as one character
-        self.conversation.push_ids(msg.ids)
+        self.started_conversation.push_ids(msg.ids)
 
     async def on_done(self, data: dict) -> None:
         Bare.model_validate(data)
@@ -243,15 +245,16 @@ class OurSession(WireSession):
             self.turn_refused = False
             await self.send_json({"type": "response.refused", "reason": "the turn could not open"})
             return
-        if not self.turn_open or not self.conversation.handle.stream.has_turn:
+        handle = self.conversation.handle if self.turn_open and self.conversation is not None else None
+        if handle is None or not handle.stream.has_turn:
             raise ApiError("no_turn", "no turn is open: send input.text or input.tokens first")
-        self.conversation.end_text()
+        self.started_conversation.end_text()
 
     async def on_cancel(self, data: dict) -> None:
         Bare.model_validate(data)
         if not self.turn_open:
             raise ApiError("no_response", "no response is in progress")
-        self.conversation.cancel()
+        self.started_conversation.cancel()
 
     async def on_truncate(self, data: dict) -> None:
         msg = Truncate.model_validate(data)
@@ -260,7 +263,9 @@ class OurSession(WireSession):
         if self.turn_open:
             raise ApiError("turn_in_progress", "truncate after the response ended (send response.cancel first)")
         asked = math.ceil(msg.audio_end_ms / (1000 * FRAME_SECONDS))
-        played = self.conversation.handle.stream.turn_audio_frames
+        handle = self.conversation.handle
+        assert handle is not None, "a response was sent on it"
+        played = handle.stream.turn_audio_frames
         frames = min(asked, played)       # past the end of the audio: clamped to what was played
         kept = self.conversation.truncate_turn(frames)
         reply = {"type": "response.truncated", "response_id": self.last_response,
@@ -312,11 +317,13 @@ class OurSession(WireSession):
         if out.tail:                                     # the resampler's last samples
             await self.send_bytes(out.tail)
         timing = turn.meter.finish()
-        status = "200" if out.stats.finish_reason.value != "error" else "500"
-        self.metrics.requests.labels(PATH, status).inc()
+        reason = out.stats.finish_reason
+        assert reason is not None, "a turn's end says why it ended"
+        status = "200" if reason.value != "error" else "500"
+        self.count_request(status)
         await self.send_json({
             "type": "response.done", "response_id": self.response_id,
-            "finish_reason": out.stats.finish_reason.value,
+            "finish_reason": reason.value,
             "usage": {"text_tokens": out.stats.text_ids, "frames": out.stats.frames,
                       "audio_seconds": round(turn.meter.audio_s, 3)},
             "timing": {**timing, "stalls": out.stats.stalls}})

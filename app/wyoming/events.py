@@ -14,14 +14,16 @@ import json
 from wyoming.event import Event
 
 from ..errors import ApiError, json_error
-from ..session.wire import FrameRefused
+from ..session.channel import FrameRefused
 
 
 def _json(raw: bytes):
     try:
         return json.loads(raw)
     except (ValueError, RecursionError) as e:      # what json_error names invalid_json
-        raise FrameRefused(json_error(e)) from None
+        err = json_error(e)
+        assert err is not None, "json_error names every ValueError and RecursionError"
+        raise FrameRefused(err) from None
 
 
 def _length(header: dict, key: str) -> int:

@@ -1,16 +1,37 @@
 """The Wyoming listener inside the serve process: started and stopped with the app's lifespan, on its event
 loop, with the ``wyoming`` package's server (``tcp://HOST:PORT`` or ``unix://PATH``). Each connection is a
-:class:`~app.wyoming.session.WyomingSession`."""
+:class:`~app.wyoming.session.WyomingSession` over an :class:`~app.wyoming.channel.EventChannel`."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
-from wyoming.server import AsyncServer
+from wyoming.event import Event
+from wyoming.server import AsyncEventHandler, AsyncServer
 
+from .channel import EventChannel
 from .session import SessionCount, WyomingSession
 
 log = logging.getLogger("mossrt.wyoming")
+
+
+class Connection(AsyncEventHandler):
+    """The package server's handler of one connection: its session, which reads the events itself (the
+    server's ``stop`` ends the stream, and so the session)."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, listener: WyomingListener):
+        super().__init__(reader, writer)
+        self.listener = listener
+
+    async def handle_event(self, event: Event) -> bool:
+        raise NotImplementedError("the session reads its own events")
+
+    async def run(self) -> None:
+        listener = self.listener
+        channel = EventChannel(self.reader, self.writer, listener.service.policy.max_message_bytes)
+        await WyomingSession(channel, listener.service, listener.metrics, listener.version,
+                             listener.sessions).serve()
 
 
 class WyomingListener:
@@ -22,8 +43,7 @@ class WyomingListener:
     async def start(self) -> None:
         """Listen (a port in use fails the start, as the HTTP listener's does)."""
         server = AsyncServer.from_uri(self.uri)
-        await server.start(lambda reader, writer: WyomingSession(reader, writer, self.service, self.metrics,
-                                                                 self.version, self.sessions))
+        await server.start(lambda reader, writer: Connection(reader, writer, self))
         self._server = server
         settings = self.service.settings
         if self.service.policy.keys_required:

@@ -10,15 +10,18 @@
   goes out meanwhile, then ``audio-stop`` and ``synthesize-stopped``. The ``synthesize`` a streaming client
   sends for backward compatibility (the whole text again) is not spoken twice; it is the text when no chunk
   brought any to speak (a client may stream nothing but it).
-- Deadlines of the receive wait: the open turn's text clock (no text it can speak for ``text_timeout``: its
-  text is ended and it speaks what it has) and the idle timeout (no synthesis running and no event).
+- The session core (:class:`~app.session.wire.WireSession`, over :class:`~app.wyoming.channel.EventChannel`)
+  runs the connection as it runs a WebSocket: the deadlines of the receive wait (the open turn's text clock:
+  no text it can speak for ``text_timeout``, and its text is ended and it speaks what it has; the idle
+  timeout), the clocks' one rule (an event the session takes and a synthesis's end move the idle clock; a
+  ``ping``, an event type it ignores and a refused event move none), the bounded writes and the teardown.
 - A connection is a session of ``--wyoming-max-sessions``, counted apart from the WebSocket ones.
 - Trust (docs/wyoming.md): the protocol has no keys. With keys set, a peer here is held to what a keyless
   client may have: the built-in voices only (unless ``--wyoming-voices all``), and its syntheses take free
   slots only, never parking (so never evicting) another stream's context — a share of 0 of the parked
   contexts keyed conversations hold.
-- Every write is bounded by ``stall_timeout``: a client that does not read loses its stream (counted) and its
-  connection.
+- Every write is bounded by ``stall_timeout`` (the core's): a client that does not read loses its stream
+  (counted) and its connection.
 - A refusal or failure is an ``error`` event (``text``, ``code`` of the catalogue), then the connection closes,
   as Wyoming's own servers do (Home Assistant reports the synthesis failed). The protocol has no
   authentication: the listener is opt-in (``--wyoming-uri``).
@@ -30,37 +33,34 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import socket
 import time
 
 import numpy as np
 from starlette.concurrency import run_in_threadpool
 from wyoming.audio import AudioChunk, AudioStart, AudioStop
 from wyoming.error import Error
-from wyoming.event import Event, async_write_event
+from wyoming.event import Event
 from wyoming.info import Describe
 from wyoming.ping import Ping, Pong
-from wyoming.server import AsyncEventHandler
 from wyoming.tts import Synthesize, SynthesizeChunk, SynthesizeStart, SynthesizeStop, SynthesizeStopped
 
 from engine.errors import EngineError
 from engine.serving.handles import AsyncSink, StreamHandle
+from engine.serving.stream import FinishReason
 
 from ..audio_formats import StreamEncoder
 from ..errors import ApiError, from_engine
 from ..metrics import StreamMeter
-from ..protocol_bounds import SEND_BUFFER_BYTES
 from ..service import DEFAULT_VOICE, OPENAI_VOICES, SamplingFields
 from ..session.conversation import Conversation
 from ..session.policy import speakable
 from ..session.pump import Audio, Ended, Failed, TurnAudio, pump
 from ..session.utterance import aprepare_utterance
-from ..session.wire import CLOSE_BOUND_S, TEXT_POLL_S, ClientStalled, FrameRefused, SessionEnd
-from .events import read_event
+from ..session.wire import ClientStalled, SessionEnd, WireSession
+from .channel import EventChannel
 from .info import describe
 
 log = logging.getLogger("mossrt.wyoming")
-REQUESTS = {"describe", "synthesize", "synthesize-start", "synthesize-chunk", "synthesize-stop"}   # the idle clock's
 PROTOCOL = "wyoming"          # the transport label of the meter and of mossrt_stalled_streams_total
 ENDPOINT = "wyoming"          # mossrt_requests_total's endpoint: one per synthesis
 
@@ -92,7 +92,7 @@ class Synthesis:
         self.took_whole_text = False         # streaming: no chunk did, and the synthesize copy was taken instead
         self.stop_received = False           # streaming: synthesize-stop arrived
         self.audio_ended = False             # audio-stop was sent
-        self.task: asyncio.Task | None = None
+        self.task: asyncio.Task[None] | None = None
 
     @property
     def streaming(self) -> bool:
@@ -120,116 +120,77 @@ def _parsed(kind, event: Event):
     return parsed
 
 
-class WyomingSession(AsyncEventHandler):
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, service, metrics, version: str,
-                 sessions: SessionCount):
-        super().__init__(reader, writer)
-        self.service, self.metrics, self.version = service, metrics, version
-        self.policy = service.policy
+class WyomingSession(WireSession[Event, Event]):
+    """One Wyoming connection: the session core's loop, clocks and bounds (:class:`~app.session.wire.WireSession`)
+    over its events (:class:`~app.wyoming.channel.EventChannel`)."""
+
+    protocol = PROTOCOL
+    path = ENDPOINT
+
+    def __init__(self, channel: EventChannel, service, metrics, version: str, sessions: SessionCount):
+        super().__init__(channel, service, metrics)
+        self.version = version
         self.sessions = sessions
         self.uploaded_voices = service.settings.wyoming_uploaded_voices()
         # with keys set, a keyless synthesis never parks a keyed conversation's context (so never evicts one)
         self.may_park_others = not self.policy.keys_required
         self.synthesis: Synthesis | None = None
         self.syntheses = 0
-        self._write_lock = asyncio.Lock()
-        self._quiet_since = time.monotonic()
-        self._reading: asyncio.Future | None = None
-        self.closed = False
+        self._claimed = False
 
-    # ------------------------------------------------------------------ the whole life
-    async def run(self) -> None:
-        sock = self.writer.get_extra_info("socket")
-        if sock is not None:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER_BYTES)   # as HTTP's: stalls show
-        claimed = False
-        try:
-            claimed = self.sessions.claim()             # --wyoming-max-sessions, apart from the WebSocket ones
-            if not claimed:
-                raise SessionEnd(ApiError("too_many_sessions", f"{self.sessions.bound} Wyoming connections are "
-                                                               "open on this server; retry later"))
-            await self._loop()
-        except SessionEnd as e:
-            await self._end(e.error)
-        except ClientStalled:
-            self._stalled()
-        except (ConnectionError, asyncio.IncompleteReadError):
-            pass
-        except Exception as e:  # noqa: BLE001 - one connection's bug never takes the server down
-            log.exception("wyoming session failed")
-            await self._end(ApiError("internal_error", f"internal error: {type(e).__name__}"))
-        finally:
-            if claimed:
-                self.sessions.release()
-            if self._reading is not None:
-                self._reading.cancel()
-            if self.synthesis is not None:
-                if self.synthesis.task is not None and self.synthesis.task is not asyncio.current_task():
-                    self.synthesis.task.cancel()
-                self.synthesis.close()
-            if not self.closed:
-                self._abort(graceful=True)
+    # ------------------------------------------------------------------ the gate and the teardown
+    async def gate(self) -> None:
+        self._claimed = self.sessions.claim()        # --wyoming-max-sessions, apart from the WebSocket ones
+        if not self._claimed:
+            raise SessionEnd(ApiError("too_many_sessions", f"{self.sessions.bound} Wyoming connections are "
+                                                           "open on this server; retry later"))
 
-    async def _loop(self) -> None:
-        while not self.closed:
-            if self._reading is None:        # one read at a time, never cancelled half-way through an event
-                self._reading = asyncio.ensure_future(read_event(self.reader, self.policy.max_message_bytes))
-            now = time.monotonic()
-            deadline, what = self._next_deadline(now)
-            timeout = None if deadline is None else max(0.0, deadline - now)
-            done, _ = await asyncio.wait({self._reading}, timeout=timeout)
-            if self.closed:
-                return
-            if not done:
-                self._on_deadline(what, time.monotonic())
-                continue
-            reading, self._reading = self._reading, None
-            try:
-                event = reading.result()
-            except FrameRefused as e:
-                raise SessionEnd(e.error) from None
-            if event is None:
-                return
-            if event.type in REQUESTS:       # a ping, or an event the protocol has and we ignore, moves no clock
-                self._quiet_since = time.monotonic()
-            await self.handle_event(event)
+    async def leave(self) -> None:
+        if self._claimed:
+            self.sessions.release()
+        s = self.synthesis
+        if s is not None:
+            if s.task is not None and s.task is not asyncio.current_task():
+                s.task.cancel()
+            s.close()
+        if not self.closed:
+            await self._close(0)
 
     def busy(self) -> bool:
         """A synthesis's audio is still going out: the connection is not idle (its client listens)."""
         return self.synthesis is not None and not self.synthesis.audio_ended
 
-    def _next_deadline(self, now: float) -> tuple[float | None, str]:
-        s = self.synthesis
-        if not self.busy():
-            return self._quiet_since + self.policy.idle_timeout, "idle"
-        if s.conversation is not None and s.conversation.turn_open:
-            due = s.conversation.text_deadline(now)
-            return min((now + TEXT_POLL_S, "poll"), (due, "text")) if due is not None else (now + TEXT_POLL_S, "poll")
-        return None, ""
+    def free_streams(self) -> None:
+        if self.synthesis is not None:
+            self.synthesis.close()
 
-    def _on_deadline(self, what: str, now: float) -> None:
-        s = self.synthesis
-        if what == "idle" and not self.busy() and now - self._quiet_since >= self.policy.idle_timeout:
-            raise SessionEnd(ApiError("idle_timeout", f"no event for {self.policy.idle_timeout:g} s"))
-        if what == "text" and s is not None and s.conversation is not None:
-            due = s.conversation.text_deadline(now)
-            if due is not None and due <= now:
-                log.info("wyoming: no text for %g s while the turn waited for it; its text was ended",
-                         self.policy.text_timeout)
-                s.conversation.end_text()
+    def error_message(self, err: ApiError, fatal: bool, **context: str | None) -> Event:
+        return Error(text=err.message, code=err.code).event()
+
+    async def refuse(self, err: ApiError, **context: str | None) -> None:
+        """Every refusal ends the connection, as Wyoming's own servers do."""
+        raise SessionEnd(err)
+
+    async def end(self, err: ApiError) -> None:
+        """The error event, then the connection closes (quietly if the client is already gone)."""
+        if self.closed:
+            return
+        log.info("wyoming: %s (%s); closing the connection", err.message, err.code)
+        await super().end(err)
 
     # ------------------------------------------------------------------ events
-    async def handle_event(self, event: Event) -> bool:
+    async def on_data(self, event: Event) -> None:
         try:
             if Describe.is_type(event.type):
                 info = await run_in_threadpool(describe, self.service, self.version, self.uploaded_voices)
-                await self.write_event(info.event())
+                await self.send(info.event())
             elif Ping.is_type(event.type):
-                await self.write_event(Pong(text=_parsed(Ping, event).text).event())
+                await self.send(Pong(text=_parsed(Ping, event).text).event())
+                self.ignore()                # the protocol's ping: it keeps nothing (nor do a WebSocket's)
             elif Synthesize.is_type(event.type):
                 msg = _parsed(Synthesize, event)
                 if self.synthesis is not None and self.synthesis.streaming:
-                    self._whole_text(msg.text)                              # a streaming client's copy
+                    self._whole_text(self.synthesis, msg.text)              # a streaming client's copy
                 else:
                     await self._synthesize(msg)
             elif SynthesizeStart.is_type(event.type):
@@ -240,11 +201,11 @@ class WyomingSession(AsyncEventHandler):
                 await self._stop()
             else:
                 log.debug("wyoming: ignored a %r event", event.type)
+                self.ignore()                # an event the protocol has and we do not take: it keeps nothing
         except (ApiError, EngineError) as e:
             err = from_engine(e)
-            self.metrics.requests.labels(ENDPOINT, str(err.status)).inc()
-            raise SessionEnd(err) from None
-        return True
+            self.count_request(str(err.status))
+            await self.refuse(err)
 
     async def _voice(self, voice) -> np.ndarray | None:
         """A request's voice as prompt codes. Without ``--wyoming-voices all`` (with keys set, by default) only the
@@ -294,6 +255,7 @@ class WyomingSession(AsyncEventHandler):
             conversation.close()
             turn.close()
             raise
+        assert conversation.handle is not None, "its turn began on its stream"
         self._run(Synthesis(conversation.handle, turn, conversation))
 
     def _chunk(self, text: str) -> None:
@@ -305,11 +267,10 @@ class WyomingSession(AsyncEventHandler):
         self._push(s, text)
         s.spoke_chunks = s.spoke_chunks or speakable(text)
 
-    def _whole_text(self, text: str) -> None:
+    def _whole_text(self, s: Synthesis, text: str) -> None:
         """The ``synthesize`` of a streaming client (between its chunks and ``synthesize-stop``): the whole text
         again, for servers that do not stream. A copy when a chunk brought text to speak; else the text itself
         (a client may send no chunk at all), taken at once so that it is spoken without waiting for the stop."""
-        s = self.synthesis
         if s.stop_received or s.spoke_chunks or s.took_whole_text or not speakable(text):
             return
         self._push(s, text)
@@ -319,15 +280,15 @@ class WyomingSession(AsyncEventHandler):
         """Text into the open turn, held to the text buffer in characters (``--ws-max-buffered-chars``, the
         WebSocket's :class:`~app.session.policy.TextLedger` measure: not the token ids the text commits to).
         Whitespace within the turn is text (it separates words), counted like any."""
+        assert s.conversation is not None and s.conversation is self.conversation, "a streaming synthesis"
         Conversation.check_text(text)
         s.conversation.check_takes_text()
-        self.policy.check_buffer(s.turn.text.unspoken(s.handle.stream), len(text))
-        s.turn.text.took(len(text))
-        s.conversation.push_text(text)
+        self.check_buffer(len(text))
+        self.push_text(text)
 
     async def _stop(self) -> None:
         s = self.synthesis
-        if s is None or not s.streaming or s.stop_received:
+        if s is None or s.conversation is None or s.stop_received:
             raise ApiError("no_turn", "synthesize-stop without a synthesize-start")
         s.stop_received = True
         s.conversation.end_text()
@@ -336,7 +297,11 @@ class WyomingSession(AsyncEventHandler):
 
     # ------------------------------------------------------------------ the audio
     def _run(self, s: Synthesis) -> None:
+        """The synthesis runs; a streaming one's conversation is the session's (its text clock, its text
+        buffer)."""
         self.synthesis = s
+        if s.conversation is not None:
+            self.conversation, self.turn = s.conversation, s.turn
         s.task = asyncio.create_task(self._speak(s))
 
     async def _speak(self, s: Synthesis) -> None:
@@ -349,93 +314,46 @@ class WyomingSession(AsyncEventHandler):
             async for out in pump(s.handle, s.turn):
                 if isinstance(out, Audio):
                     if not started:
-                        await self.write_event(AudioStart(**fmt).event())
+                        await self.send(AudioStart(**fmt).event())
                         started = True
                     if out.data:
-                        await self.write_event(AudioChunk(audio=out.data, **fmt).event())
+                        await self.send(AudioChunk(audio=out.data, **fmt).event())
                 elif isinstance(out, Failed):
                     status = str(out.error.status)
-                    await self._end(out.error)
+                    await self.end(out.error)
                     return
                 elif isinstance(out, Ended):
                     if not started:
-                        await self.write_event(AudioStart(**fmt).event())
+                        await self.send(AudioStart(**fmt).event())
                     if out.tail:
-                        await self.write_event(AudioChunk(audio=out.tail, **fmt).event())
-                    await self.write_event(AudioStop().event())
-                    status = "200" if out.stats.finish_reason.value != "error" else "500"
+                        await self.send(AudioChunk(audio=out.tail, **fmt).event())
+                    await self.send(AudioStop().event())
+                    status = "500" if out.stats.finish_reason is FinishReason.ERROR else "200"
             s.audio_ended = True
             if s.conversation is not None:
                 s.conversation.turn_ended()
+            self.turn_over()                                 # idle counts from the synthesis's end
             s.close()                                        # the slot is free before the client's next event
             if not s.streaming or s.stop_received:
                 await self._finished(s)
         except ClientStalled:
             status = "client_stalled"
-            self._stalled()
+            await self._stalled()
         except (ConnectionError, asyncio.CancelledError):
             pass                                             # the client left, or the connection was closed
         except Exception as e:  # noqa: BLE001 - one synthesis's bug never takes the server down
             log.exception("wyoming synthesis failed")
             status = "500"
-            await self._end(ApiError("internal_error", f"internal error: {type(e).__name__}"))
+            await self.end(ApiError("internal_error", f"internal error: {type(e).__name__}"))
         finally:
             s.close()
-            self.metrics.requests.labels(ENDPOINT, status).inc()
+            self.count_request(status)
 
     async def _finished(self, s: Synthesis) -> None:
         """The synthesis is over: a streaming one says so; the connection may start the next one."""
         if s.streaming:
-            await self.write_event(SynthesizeStopped().event())
+            await self.send(SynthesizeStopped().event())
         if self.synthesis is s:
             self.synthesis = None
-            self._quiet_since = max(self._quiet_since, time.monotonic())   # idle counts from its end
-
-    # ------------------------------------------------------------------ writing
-    async def write_event(self, event: Event) -> None:
-        """One event to the client; one it does not take within the stall timeout ends the connection."""
-        async with self._write_lock:
-            if self.closed:
-                raise ConnectionResetError("the connection is closed")
-            try:
-                await asyncio.wait_for(async_write_event(event, self.writer), self.policy.stall_timeout)
-            except asyncio.TimeoutError:
-                raise ClientStalled from None
-
-    async def _end(self, err: ApiError) -> None:
-        """The error event, then the connection closes (quietly if the client is already gone)."""
-        if self.closed:
-            return
-        log.info("wyoming: %s (%s); closing the connection", err.message, err.code)
-        try:
-            await asyncio.wait_for(async_write_event(Error(text=err.message, code=err.code).event(), self.writer),
-                                   min(self.policy.stall_timeout, CLOSE_BOUND_S))
-        except (asyncio.TimeoutError, ConnectionError):
-            self._abort()
-            return
-        self._abort(graceful=True)
-
-    def _stalled(self) -> None:
-        if self.closed:
-            return
-        self.metrics.stalled.labels(PROTOCOL).inc()
-        log.warning("wyoming session ended: the client took no audio for %g s", self.policy.stall_timeout)
-        if self.synthesis is not None:
-            self.synthesis.close()
-        self._abort()
-
-    def _abort(self, graceful: bool = False) -> None:
-        """Close the connection: after what was written (``graceful``), or at once (a client that reads
-        nothing cannot take the rest)."""
-        self.closed = True
-        transport = self.writer.transport
-        if graceful and transport.can_write_eof() and not transport.is_closing():
-            # a half-close once what is buffered is sent: the client reads the error, then the end; events it
-            # still sends are taken in meanwhile (closing with them unread would reset the connection, and the
-            # client could lose the error), until it closes too or the bound passes
-            transport.write_eof()
-            asyncio.get_running_loop().call_later(CLOSE_BOUND_S, transport.abort)
-        else:
-            transport.abort()
-        if self._reading is not None and self._reading is not asyncio.current_task():
-            self._reading.cancel()           # the receive loop sees ``closed`` and ends
+            if self.conversation is s.conversation:
+                self.conversation, self.turn = None, None
