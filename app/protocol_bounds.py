@@ -8,10 +8,10 @@ HTTP, per request head (the request line and the header fields):
   connection opens and after each response, disarmed once a request's head completed or the socket upgraded;
 - its size (``--max-header-bytes``), the URL (``--max-url-bytes``), the number of header fields
   (``--max-header-count``) and, on a WebSocket upgrade, one field (:data:`MAX_FIELD_BYTES`): counted as the
-  parser is fed, before it buffers more. Past a bound the client gets 431 ``header_fields_too_large`` or 414 ``uri_too_long`` in its
-  route's error shape (ElevenLabs' for the ElevenLabs routes, OpenAI's otherwise), before the key is looked
-  at; what it sends after that is read and dropped for :data:`LINGER_S` (so it reads the answer rather
-  than a reset), then the connection is cut. A head costs the server at most about its bound;
+  parser is fed, before it buffers more. Past a bound the client gets 431 ``header_fields_too_large`` or 414
+  ``uri_too_long`` in its route's error shape (ElevenLabs' for the ElevenLabs routes, OpenAI's otherwise),
+  before the key is looked at; what it sends after that is read and dropped for :data:`LINGER_S` (so it reads
+  the answer rather than a reset), then the connection is cut. A head costs the server at most about its bound;
 - the kernel's send buffer (:data:`SEND_BUFFER_BYTES`, not autotuned up to 4 MiB): what a client that stops
   reading can make the server hold, and how much audio is out of the server's hands before a stalled
   stream's ``send`` blocks (so ``--stall-timeout`` counts from about 5 s of pcm, not 80).
@@ -30,9 +30,11 @@ WebSocket, per socket:
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import socket
 from dataclasses import dataclass
+from typing import ClassVar
 
 import httptools
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
@@ -78,118 +80,138 @@ def refusal(err: ApiError, elevenlabs: bool) -> bytes:
     return b"".join(head) + b"connection: close\r\n\r\n" + bytes(response.body)
 
 
-def bounded_http_protocol(bounds: ProtocolBounds) -> type[HttpToolsProtocol]:
-    """uvicorn's httptools protocol with the bounds of the module's docstring."""
-    elevenlabs = tuple(p.encode() for p in bounds.elevenlabs_prefixes)
+def set_send_buffer(transport: asyncio.Transport) -> None:
+    """The connection's kernel send buffer to :data:`SEND_BUFFER_BYTES` (not autotuned up to 4 MiB)."""
+    sock = transport.get_extra_info("socket")
+    if sock is not None:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER_BYTES)
 
-    class BoundedHttpProtocol(HttpToolsProtocol):
-        def connection_made(self, transport) -> None:
-            super().connection_made(transport)
-            self._in_head, self._head_bytes, self._url_bytes, self._fields = True, 0, 0, 0
-            self._refused = False
-            sock = transport.get_extra_info("socket")
-            if sock is not None:
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER_BYTES)
-            self._arm_header_timer()
 
-        # -------------------------------------------------------------- the head's size
-        def data_received(self, data: bytes) -> None:
-            while data and not self._refused and self.transport.get_protocol() is self:
-                if self._in_head:
-                    room = bounds.max_header_bytes - self._head_bytes
-                    if room <= 0:
-                        self._refuse(ApiError("header_fields_too_large", "the request line and headers are over "
-                                                                         f"{bounds.max_header_bytes} bytes"))
-                        return
-                    chunk, data = data[:room], data[room:]
-                    self._head_bytes += len(chunk)
-                else:
-                    chunk, data = data, b""
-                self._feed(chunk)       # upgraded: what followed the head in this read is dropped, as uvicorn does
+class HeadSizeBounds(HttpToolsProtocol):
+    """The head's size, URL, field count and an upgrade's field, counted as the parser is fed; a head past one
+    is answered in its route's error shape (:func:`refusal`) and the connection cut after :data:`LINGER_S`.
+    ``bounds`` and ``elevenlabs_prefixes`` are set by :func:`bounded_http_protocol`."""
 
-        def _feed(self, data: bytes) -> None:
-            """uvicorn's ``data_received``, with a refused head answered as such."""
-            self._unset_keepalive_if_required()
-            try:
-                self.parser.feed_data(data)
-            except httptools.HttpParserError as e:
-                if isinstance(e.__context__, _HeadRefused):
-                    self._refuse(e.__context__.error)
+    bounds: ClassVar[ProtocolBounds]
+    elevenlabs_prefixes: ClassVar[tuple[bytes, ...]] = ()
+
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        self._in_head, self._head_bytes, self._url_bytes, self._fields = True, 0, 0, 0
+        self._refused = False
+        set_send_buffer(transport)
+
+    def data_received(self, data: bytes) -> None:
+        while data and not self._refused and self.transport.get_protocol() is self:
+            if self._in_head:
+                room = self.bounds.max_header_bytes - self._head_bytes
+                if room <= 0:
+                    self._refuse(ApiError("header_fields_too_large", "the request line and headers are over "
+                                                                     f"{self.bounds.max_header_bytes} bytes"))
                     return
-                msg = "Invalid HTTP request received."
-                self.logger.warning(msg)
-                self.send_400_response(msg)
-            except httptools.HttpParserUpgrade:
-                if self._should_upgrade():
-                    self.handle_websocket_upgrade()
-                else:
-                    self._unsupported_upgrade_warning()
+                chunk, data = data[:room], data[room:]
+                self._head_bytes += len(chunk)
+            else:
+                chunk, data = data, b""
+            self._feed(chunk)       # upgraded: what followed the head in this read is dropped, as uvicorn does
 
-        def on_message_begin(self) -> None:
-            super().on_message_begin()
-            self._url_bytes, self._fields, self._longest = 0, 0, 0
-
-        def on_url(self, url: bytes) -> None:
-            self._url_bytes += len(url)
-            if self._url_bytes > bounds.max_url_bytes:
-                if len(self.url) < 256:
-                    super().on_url(url[:256])                       # the path: the refusal's shape
-                raise _HeadRefused(ApiError("uri_too_long", f"the URL is over {bounds.max_url_bytes} bytes"))
-            super().on_url(url)
-
-        def on_header(self, name: bytes, value: bytes) -> None:
-            self._fields += 1
-            if self._fields > bounds.max_header_count:
-                raise _HeadRefused(ApiError("header_fields_too_large",
-                                            f"more than {bounds.max_header_count} header fields"))
-            self._longest = max(self._longest, len(name) + len(value))
-            super().on_header(name, value)
-
-        def on_headers_complete(self) -> None:
-            self._in_head = False
-            if self._longest > MAX_FIELD_BYTES and self._should_upgrade():
-                raise _HeadRefused(ApiError("header_fields_too_large", "a WebSocket upgrade's header field is "
-                                                                       f"over {MAX_FIELD_BYTES} bytes"))
-            super().on_headers_complete()
-
-        def on_message_complete(self) -> None:
-            self._in_head, self._head_bytes = True, 0
-            super().on_message_complete()
-
-        def _refuse(self, err: ApiError) -> None:
-            """Answer, stop reading requests, drop what still comes for LINGER_S, then cut the connection."""
-            self._refused = True
-            if self.transport.is_closing():
+    def _feed(self, data: bytes) -> None:
+        """uvicorn's ``data_received``, with a refused head answered as such."""
+        self._unset_keepalive_if_required()
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError as e:
+            if isinstance(e.__context__, _HeadRefused):
+                self._refuse(e.__context__.error)
                 return
-            url = getattr(self, "url", b"") or b""
-            log.info("refused a request head: %s (%s)", err.message, err.code)
-            self.transport.write(refusal(err, url.startswith(elevenlabs) if elevenlabs else False))
-            if self.transport.can_write_eof():
-                self.transport.write_eof()
-            self.loop.call_later(LINGER_S, self.transport.abort)
+            msg = "Invalid HTTP request received."
+            self.logger.warning(msg)
+            self.send_400_response(msg)
+        except httptools.HttpParserUpgrade:
+            if self._should_upgrade():
+                self.handle_websocket_upgrade()
+            else:
+                self._unsupported_upgrade_warning()
 
-        # -------------------------------------------------------------- the head's time
-        def on_response_complete(self) -> None:
-            super().on_response_complete()
-            self._arm_header_timer()
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._url_bytes, self._fields, self._longest = 0, 0, 0
 
-        def connection_lost(self, exc) -> None:
-            timer = getattr(self, "_header_timer", None)
-            if timer is not None:
-                timer.cancel()
-            super().connection_lost(exc)
+    def on_url(self, url: bytes) -> None:
+        self._url_bytes += len(url)
+        if self._url_bytes > self.bounds.max_url_bytes:
+            if len(self.url) < 256:
+                super().on_url(url[:256])                       # the path: the refusal's shape
+            raise _HeadRefused(ApiError("uri_too_long", f"the URL is over {self.bounds.max_url_bytes} bytes"))
+        super().on_url(url)
 
-        def _arm_header_timer(self) -> None:
-            cycle = self.cycle
-            self._header_timer = self.loop.call_later(bounds.header_timeout, self._headers_too_slow, cycle)
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._fields += 1
+        if self._fields > self.bounds.max_header_count:
+            raise _HeadRefused(ApiError("header_fields_too_large",
+                                        f"more than {self.bounds.max_header_count} header fields"))
+        self._longest = max(self._longest, len(name) + len(value))
+        super().on_header(name, value)
 
-        def _headers_too_slow(self, cycle) -> None:
-            idle = self.cycle is cycle and (cycle is None or cycle.response_complete)
-            if idle and self.transport.get_protocol() is self and not self.transport.is_closing():
-                log.debug("closing a connection: no request headers within %g s", bounds.header_timeout)
-                self.transport.close()
+    def on_headers_complete(self) -> None:
+        self._in_head = False
+        if self._longest > MAX_FIELD_BYTES and self._should_upgrade():
+            raise _HeadRefused(ApiError("header_fields_too_large", "a WebSocket upgrade's header field is "
+                                                                   f"over {MAX_FIELD_BYTES} bytes"))
+        super().on_headers_complete()
 
-    return BoundedHttpProtocol
+    def on_message_complete(self) -> None:
+        self._in_head, self._head_bytes = True, 0
+        super().on_message_complete()
+
+    def _refuse(self, err: ApiError) -> None:
+        """Answer, stop reading requests, drop what still comes for LINGER_S, then cut the connection."""
+        self._refused = True
+        if self.transport.is_closing():
+            return
+        url = getattr(self, "url", b"") or b""
+        prefixes = self.elevenlabs_prefixes
+        log.info("refused a request head: %s (%s)", err.message, err.code)
+        self.transport.write(refusal(err, url.startswith(prefixes) if prefixes else False))
+        if self.transport.can_write_eof():
+            self.transport.write_eof()
+        self.loop.call_later(LINGER_S, self.transport.abort)
+
+
+class HeadTimeBound(HeadSizeBounds):
+    """The time a connection may take to send a request head (``--header-timeout``): armed when it opens and
+    after each response; an idle connection still without one when it fires is closed."""
+
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        self._arm_header_timer()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        self._arm_header_timer()
+
+    def connection_lost(self, exc) -> None:
+        timer = getattr(self, "_header_timer", None)
+        if timer is not None:
+            timer.cancel()
+        super().connection_lost(exc)
+
+    def _arm_header_timer(self) -> None:
+        cycle = self.cycle
+        self._header_timer = self.loop.call_later(self.bounds.header_timeout, self._headers_too_slow, cycle)
+
+    def _headers_too_slow(self, cycle) -> None:
+        idle = self.cycle is cycle and (cycle is None or cycle.response_complete)
+        if idle and self.transport.get_protocol() is self and not self.transport.is_closing():
+            log.debug("closing a connection: no request headers within %g s", self.bounds.header_timeout)
+            self.transport.close()
+
+
+def bounded_http_protocol(bounds: ProtocolBounds) -> type[HttpToolsProtocol]:
+    """uvicorn's httptools protocol with the bounds of the module's docstring: the head's size
+    (:class:`HeadSizeBounds`) and time (:class:`HeadTimeBound`), and the send buffer, for ``bounds``."""
+    return type("BoundedHttpProtocol", (HeadTimeBound,),
+                {"bounds": bounds, "elevenlabs_prefixes": tuple(p.encode() for p in bounds.elevenlabs_prefixes)})
 
 
 def bounded_ws_protocol(bounds: ProtocolBounds) -> type[WebSocketsSansIOProtocol]:

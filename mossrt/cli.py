@@ -10,6 +10,7 @@ import argparse
 import os
 import sys
 import traceback
+from typing import Callable
 
 from engine.limits import DEFAULT_MAX_CONTEXT_ROWS, DEFAULT_MAX_TEXT_CHARS, HARD_MAX_FRAMES, MAX_CONTEXT_ROWS
 from engine.model.sampling import MAX_TOP_K
@@ -30,48 +31,55 @@ def _version() -> str:
         return "unknown"
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="mossrt", description="MOSS-TTS-Realtime on onnxruntime: export, synthesize, serve")
-    p.add_argument("--version", action="version", version=f"mossrt {_version()}")
-    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+Parser = argparse.ArgumentParser
+Subcommands = argparse._SubParsersAction  # what add_subparsers returns: each subcommand adds its parser to it
 
-    def runtime_flags(sp):
-        sp.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
-                        help="onnxruntime provider (auto: CUDA when installed)")
-        sp.add_argument("--threads", type=int_in(0, 256), default=None,
-                        help="intra-op threads, 0..256 (default: MOSSRT_THREADS, else all cores)")
 
-    def cuda_graphs_flag(sp):
-        sp.add_argument("--cuda-graphs", choices=["on", "off"], default=None,
-                        help="capture the batched backbone step and depth call as CUDA graphs, one per batch bucket "
-                             "(default: on with CUDA when every node of both graphs runs there, off on CPU)")
-        sp.add_argument("--warm-buckets", choices=["on", "off"], default=None,
-                        help="run every batch bucket's step, depth and codec calls once on padding rows before "
-                             "serving, so no stream waits on a first use or a capture (default: on when CUDA "
-                             "graphs are on, else off)")
+# ---------------------------------------------------------------------- flags several subcommands share
+def runtime_flags(sp: Parser) -> None:
+    sp.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                    help="onnxruntime provider (auto: CUDA when installed)")
+    sp.add_argument("--threads", type=int_in(0, 256), default=None,
+                    help="intra-op threads, 0..256 (default: MOSSRT_THREADS, else all cores)")
 
-    def bundle_flag(sp, required=True):
-        sp.add_argument("--bundle", required=required, help="bundle directory written by 'mossrt export'")
 
-    def sampling_flags(sp):
-        sp.add_argument("--greedy", action="store_true", help="argmax decoding (the repetition penalty still applies)")
-        sp.add_argument("--temperature", type=finite_float, help="default from the bundle (0.8); 0 = greedy")
-        sp.add_argument("--top-k", type=int_in(0, MAX_TOP_K), help="keep the k most likely codes (default 30; 0 = off; "
-                                                                   "never negative)")
-        sp.add_argument("--top-p", type=finite_float, help="nucleus probability in (0, 1] (default 0.6; 1 = off)")
-        sp.add_argument("--repetition-penalty", type=finite_float, help="default 1.1; 1 = off")
-        sp.add_argument("--repetition-window", type=any_int, help="frames the penalty looks back (default 50)")
-        sp.add_argument("--seed", type=any_int, help="makes sampling reproducible (default: random, printed)")
-        sp.add_argument("--allow-special-tokens", action="store_true",
-                        help="treat strings such as <|im_end|> in the text as control tokens (default: as text)")
+def cuda_graphs_flag(sp: Parser) -> None:
+    sp.add_argument("--cuda-graphs", choices=["on", "off"], default=None,
+                    help="capture the batched backbone step and depth call as CUDA graphs, one per batch bucket "
+                         "(default: on with CUDA when every node of both graphs runs there, off on CPU)")
+    sp.add_argument("--warm-buckets", choices=["on", "off"], default=None,
+                    help="run every batch bucket's step, depth and codec calls once on padding rows before "
+                         "serving, so no stream waits on a first use or a capture (default: on when CUDA "
+                         "graphs are on, else off)")
 
-    def limit_flags(sp, text=True):
-        if text:
-            sp.add_argument("--max-text-chars", type=int_in(1, 1_000_000), default=DEFAULT_MAX_TEXT_CHARS,
-                            help=f"longest text accepted, in characters (default {DEFAULT_MAX_TEXT_CHARS})")
-        sp.add_argument("--max-voice-seconds", type=finite_float, default=None,
-                        help="longest voice reference accepted, in seconds (default 30)")
 
+def bundle_flag(sp: Parser, required: bool = True) -> None:
+    sp.add_argument("--bundle", required=required, help="bundle directory written by 'mossrt export'")
+
+
+def sampling_flags(sp: Parser) -> None:
+    sp.add_argument("--greedy", action="store_true", help="argmax decoding (the repetition penalty still applies)")
+    sp.add_argument("--temperature", type=finite_float, help="default from the bundle (0.8); 0 = greedy")
+    sp.add_argument("--top-k", type=int_in(0, MAX_TOP_K), help="keep the k most likely codes (default 30; 0 = off; "
+                                                               "never negative)")
+    sp.add_argument("--top-p", type=finite_float, help="nucleus probability in (0, 1] (default 0.6; 1 = off)")
+    sp.add_argument("--repetition-penalty", type=finite_float, help="default 1.1; 1 = off")
+    sp.add_argument("--repetition-window", type=any_int, help="frames the penalty looks back (default 50)")
+    sp.add_argument("--seed", type=any_int, help="makes sampling reproducible (default: random, printed)")
+    sp.add_argument("--allow-special-tokens", action="store_true",
+                    help="treat strings such as <|im_end|> in the text as control tokens (default: as text)")
+
+
+def limit_flags(sp: Parser, text: bool = True) -> None:
+    if text:
+        sp.add_argument("--max-text-chars", type=int_in(1, 1_000_000), default=DEFAULT_MAX_TEXT_CHARS,
+                        help=f"longest text accepted, in characters (default {DEFAULT_MAX_TEXT_CHARS})")
+    sp.add_argument("--max-voice-seconds", type=finite_float, default=None,
+                    help="longest voice reference accepted, in seconds (default 30)")
+
+
+# ---------------------------------------------------------------------- one function per subcommand
+def add_export(sub: Subcommands) -> None:
     e = sub.add_parser("export", help="upstream checkpoint(s) -> ONNX bundle")
     e.add_argument("--codec", help="MOSS-Audio-Tokenizer checkpoint directory (or hub id, with the hub extra)")
     e.add_argument("--model", help="MOSS-TTS-Realtime checkpoint directory (or hub id, with the hub extra)")
@@ -92,6 +100,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "in): fp32 (CPU), fp16 (CPU or CUDA: half the KV bytes), bf16 (CUDA only)")
     e.set_defaults(func=c.cmd_export)
 
+
+def add_verify(sub: Subcommands) -> None:
     v = sub.add_parser("verify", help="check every file of a bundle against its manifest's sha256")
     bundle_flag(v)
     v.add_argument("--provider", choices=["cpu", "cuda"],
@@ -99,6 +109,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "host inside a step (from committed kernel tables: no GPU needed); exit status 2 if any")
     v.set_defaults(func=c.cmd_verify)
 
+
+def add_codec(sub: Subcommands) -> None:
     co = sub.add_parser("codec", help="run the codec of a bundle")
     csub = co.add_subparsers(dest="codec_command", required=True, metavar="ACTION")
     ce = csub.add_parser("encode", help="audio file -> codes .npy [frames, 32] int64")
@@ -112,12 +124,16 @@ def build_parser() -> argparse.ArgumentParser:
     cd.add_argument("input", help="codes .npy [frames, K] with 0 <= code < 1024")
     cd.add_argument("output", help="audio file; the extension picks the format (.wav .flac .ogg .mp3 ...)")
     cd.add_argument("--n-quantizers", type=any_int, default=None, help="levels to decode, 1..32 (default: K)")
-    cd.add_argument("--chunk-frames", type=int_in(1, 250), default=None, help="stream N frames per decoder call (1..250)")
-    cd.add_argument("--schedule", default=None, help="stream with these chunk sizes, e.g. 1,2,7 (last repeats; each 1..250)")
+    cd.add_argument("--chunk-frames", type=int_in(1, 250), default=None,
+                    help="stream N frames per decoder call (1..250)")
+    cd.add_argument("--schedule", default=None,
+                    help="stream with these chunk sizes, e.g. 1,2,7 (last repeats; each 1..250)")
     cd.add_argument("--pcm16", action="store_true", help="16-bit PCM instead of 32-bit float (WAV-like formats)")
     runtime_flags(cd)
     cd.set_defaults(func=c.cmd_codec_decode)
 
+
+def add_bench(sub: Subcommands) -> None:
     b = sub.add_parser("bench", help="benchmarks (medians and ratios)")
     bsub = b.add_subparsers(dest="bench_command", required=True, metavar="WHAT")
     for name, help_text, frames, lo, func in (("codec", "codec streaming vs one-pass decode", 24, 1, c.cmd_bench_codec),
@@ -154,6 +170,8 @@ def build_parser() -> argparse.ArgumentParser:
         bp.add_argument("--profile", metavar="DIR", help="write onnxruntime profiles (JSON) to DIR and print the "
                                                           "top ops by time")
 
+
+def add_demo(sub: Subcommands) -> None:
     d = sub.add_parser("demo", help="build the built-in demo bundle and synthesize with it")
     d.add_argument("--bundle", help="demo bundle directory (default: MOSSRT_DEMO_DIR or ~/.cache/mossrt/demo-bundle)")
     d.add_argument("--text", default="Hello from mossrt, the streaming speech service.", help="text to speak")
@@ -163,6 +181,8 @@ def build_parser() -> argparse.ArgumentParser:
     runtime_flags(d)
     d.set_defaults(func=c.cmd_demo)
 
+
+def add_synth(sub: Subcommands) -> None:
     sy = sub.add_parser("synth", help="text (+ voice) -> speech, offline")
     sy.add_argument("--bundle", help="bundle directory written by 'mossrt export' (default: the built-in demo "
                                      "bundle, as mossrt serve)")
@@ -178,6 +198,8 @@ def build_parser() -> argparse.ArgumentParser:
     runtime_flags(sy)
     sy.set_defaults(func=c.cmd_synth)
 
+
+def add_replay(sub: Subcommands) -> None:
     rp = sub.add_parser("replay", help="drive a streaming session from a JSON script")
     bundle_flag(rp)
     rp.add_argument("script", help="JSON script (see docs/cli.md)")
@@ -191,6 +213,8 @@ def build_parser() -> argparse.ArgumentParser:
     runtime_flags(rp)
     rp.set_defaults(func=c.cmd_replay)
 
+
+def add_doctor(sub: Subcommands) -> None:
     dr = sub.add_parser("doctor", help="does this machine's onnxruntime run mossrt's graphs as the engine assumes? "
                                        "(provider, kernel registry, placement, CUDA graphs, kernel semantics)")
     dr.add_argument("--device", choices=["cpu", "cuda"], default=None,
@@ -207,6 +231,8 @@ def build_parser() -> argparse.ArgumentParser:
     dr.add_argument("--threads", type=int_in(0, 256), default=None, help="intra-op threads (default: all cores)")
     dr.set_defaults(func=c.cmd_doctor)
 
+
+def add_make_checkpoint(sub: Subcommands) -> None:
     m = sub.add_parser("make-checkpoint", help="random-weight checkpoint in the upstream layout (benchmarks only)")
     m.add_argument("kind", choices=["codec", "tts", "pair"], help="pair writes OUT/tts and OUT/codec")
     m.add_argument("--preset", required=True, choices=["real", "tiny"],
@@ -217,12 +243,33 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--seed", type=int_in(0, 2**31 - 2), default=0, help="random seed")
     m.set_defaults(func=c.cmd_make_checkpoint)
 
+
+def add_serve(sub: Subcommands) -> None:
     from .serve import add_serve_parser
 
     add_serve_parser(sub)
+
+
+def add_localai(sub: Subcommands) -> None:
     from .localai_cmd import add_localai_parser
 
     add_localai_parser(sub, runtime_flags, int_in)
+
+
+# the subcommands, in the order ``mossrt --help`` lists them
+SUBCOMMANDS: tuple[Callable[[Subcommands], None], ...] = (
+    add_export, add_verify, add_codec, add_bench, add_demo, add_synth, add_replay, add_doctor, add_make_checkpoint,
+    add_serve, add_localai)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """``mossrt``'s parser: ``--version`` and every subcommand of :data:`SUBCOMMANDS`."""
+    p = argparse.ArgumentParser(prog="mossrt",
+                                description="MOSS-TTS-Realtime on onnxruntime: export, synthesize, serve")
+    p.add_argument("--version", action="version", version=f"mossrt {_version()}")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for add in SUBCOMMANDS:
+        add(sub)
     return p
 
 

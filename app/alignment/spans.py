@@ -10,14 +10,15 @@ its last lasting to the end of its audio."""
 from __future__ import annotations
 
 from ..normalize import Normalized
-from .characters import FRAME_MS, Aligner, Span
+from .characters import FRAME_MS, Span
+from .contract import FrameAligner
 
 
 class SentAligner:
     """An :class:`~app.alignment.characters.Aligner` fed with the text the model reads, whose spans are in the
     text as sent. Same interface: ``add`` takes the model's text (``Utterance.text``)."""
 
-    def __init__(self, aligner: Aligner, normalized: Normalized):
+    def __init__(self, aligner: FrameAligner, normalized: Normalized):
         self._aligner = aligner
         self._normalized = normalized
         self._map = _SpanMap(normalized)

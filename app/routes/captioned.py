@@ -14,18 +14,20 @@ from __future__ import annotations
 
 import base64
 import json
+from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 
-from ..alignment.characters import Aligner
+from ..alignment.contract import FrameAligner
 from ..alignment.words import WordTimestamps, words_of
 from ..audio_formats import whole_file
 from ..schemas import CaptionedSpeechRequest
+from ..service import TTSService
+from ..session.aligned import AlignedAudio, aligned_audio, whole_aligned
 from ..session.http import StreamedResponse, whole
 from ..session.policy import require_key
-from .elevenlabs_http import aligned_chunks, whole_aligned
-from .speech import reply_headers, start_speech
+from ..session.speech import reply_headers, start_speech
 
 router = APIRouter()
 ENDPOINT = "/dev/captioned_speech"
@@ -39,31 +41,35 @@ NDJSON = "application/x-ndjson"       # Kokoro-FastAPI says application/json of 
 async def captioned_speech(body: CaptionedSpeechRequest, request: Request):
     utterance, end = await start_speech(body, request, "http", ENDPOINT)
     aligner = utterance.aligner() if body.return_timestamps else None
-    chunks = aligned_chunks(end, aligner, utterance.text)
-    fmt = end.turn.encoder.content_type
+    chunks = aligned_audio(end, aligner, utterance.text)
+    encoder = end.turn.encoder
+    assert encoder is not None, "start_speech made the reply's encoder"
+    fmt = encoder.content_type
     headers = {**reply_headers(body, request),
                "Content-Disposition": f"attachment; filename=speech.{body.response_format}"}
     if not body.stream:
         reply = await whole(request, end, _whole(chunks, aligner, body.response_format))
         return JSONResponse({"audio": reply[0], "audio_format": fmt, "timestamps": reply[1]} if reply else {},
                             headers=headers)
-    return StreamedResponse(_lines(chunks, fmt), end, request.app.state.service.policy.stall_timeout,
-                            media_type=NDJSON, headers=headers)
+    service: TTSService = request.app.state.service
+    return StreamedResponse(_lines(chunks, fmt), end, service.policy.stall_timeout, media_type=NDJSON,
+                            headers=headers)
 
 
-async def _whole(chunks, aligner: Aligner | None, fmt: str) -> tuple[str, list[dict] | None]:
+async def _whole(chunks: AsyncIterator[AlignedAudio], aligner: FrameAligner | None,
+                 fmt: str) -> tuple[str, list[dict] | None]:
     if aligner is None:
-        audio = b"".join([data async for data, _ in chunks])
+        audio = b"".join([data async for data, _, _ in chunks])
         return base64.b64encode(whole_file(fmt, audio)).decode(), None
     reply = await whole_aligned(chunks, aligner)
     audio = whole_file(fmt, base64.b64decode(reply["audio_base64"]))
     return base64.b64encode(audio).decode(), words_of(reply["alignment"])
 
 
-async def _lines(chunks, fmt: str):
+async def _lines(chunks: AsyncIterator[AlignedAudio], fmt: str) -> AsyncIterator[bytes]:
     words = WordTimestamps()
     held: list[dict] = []              # words of frames whose audio the encoder has not given out yet
-    async for data, alignment in chunks:
+    async for data, alignment, _ in chunks:
         held += words.add(alignment)
         if data:
             yield _line(data, fmt, held)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import base64
 import json
+from collections.abc import AsyncIterator
 from typing import Literal
 
 from fastapi import APIRouter, Request
@@ -23,17 +24,18 @@ from starlette.exceptions import HTTPException
 from engine.errors import EngineError
 from engine.serving.handles import AsyncSink
 
-from ..alignment.characters import CLOCKS, Aligner, Span
-from ..alignment.spans import SentAligner
+from ..alignment.characters import CLOCKS
+from ..alignment.paired import Alignments
 from ..elevenlabs.formats import parse_output_format
 from ..elevenlabs.protocol import QuerySeed, Seed
-from ..errors import ELEVENLABS_PREFIXES, HTTP_CODES, ApiError, elevenlabs_client, from_engine, json_error
+from ..errors import ELEVENLABS_PREFIXES, HTTP_CODES, ApiError, from_engine, json_error
 from ..metrics import StreamMeter
 from ..normalize import OFF, Switches
 from ..service import SamplingFields, TTSService
-from ..session.http import StreamedResponse, StreamEnd, outs, whole
+from ..session.aligned import AlignedAudio, aligned_audio, whole_aligned
+from ..session.http import StreamedResponse, StreamEnd, whole
 from ..session.policy import require_speakable
-from ..session.pump import Audio, Failed, TurnAudio
+from ..session.pump import TurnAudio
 from ..session.utterance import aprepare_utterance
 
 router = APIRouter()
@@ -181,24 +183,6 @@ async def get_user(request: Request):
                              "current_overage": {"amount": "0", "currency": "usd"}}}
 
 
-def model_list(service: TTSService, names: tuple[str, ...]) -> list[dict]:
-    """``GET /v1/models`` for an ElevenLabs client (``models.list``; see :func:`wants_elevenlabs`)."""
-    demo = " (demo bundle: random weights, the audio is noise)" if service.bundle.is_demo else ""
-    return [{"model_id": name, "name": "MOSS-TTS-Realtime" if i == 0 else name, "can_do_text_to_speech": True,
-             "can_do_voice_conversion": False, "can_use_style": False, "can_use_speaker_boost": False,
-             "can_be_finetuned": False, "serves_pro_voices": False, "requires_alpha_access": False,
-             "token_cost_factor": 1.0, "maximum_text_length_per_request": service.settings.max_input_chars,
-             "description": "streaming text-to-speech" + demo,
-             "languages": [{"language_id": "en", "name": "English"}, {"language_id": "zh", "name": "Chinese"}]}
-            for i, name in enumerate(names)]
-
-
-def wants_elevenlabs(request: Request) -> bool:
-    """Whether ``GET /v1/models`` comes from an ElevenLabs client (:func:`app.errors.elevenlabs_client`): its
-    list, and its errors, are then ElevenLabs'."""
-    return elevenlabs_client(request.headers)
-
-
 def _query_seed(request: Request) -> int | None:
     """``?seed=``, refused as the WebSockets refuse it (same bounds, ``invalid_request``)."""
     try:
@@ -214,7 +198,8 @@ async def _body(request: Request) -> TextToSpeechRequest:
     except HTTPException as e:      # the request guard's 408 / 413 while the body streamed in: in ElevenLabs' shape
         if e.status_code not in HTTP_CODES:
             raise
-        raise ApiError(HTTP_CODES[e.status_code], str(e.detail), headers=e.headers) from None
+        raise ApiError(HTTP_CODES[e.status_code], str(e.detail),
+                       headers=dict(e.headers) if e.headers is not None else None) from None
     except Exception as e:  # noqa: BLE001 - json_error says which failures are bad JSON
         err = json_error(e)
         if err is None:
@@ -223,8 +208,9 @@ async def _body(request: Request) -> TextToSpeechRequest:
     try:
         return TextToSpeechRequest.model_validate(data)
     except ValidationError as e:
-        err = e.errors()[0]
-        raise ApiError("invalid_request", f"{'.'.join(map(str, err['loc'])) or 'body'}: {err['msg']}") from None
+        detail = e.errors()[0]
+        raise ApiError("invalid_request",
+                       f"{'.'.join(map(str, detail['loc'])) or 'body'}: {detail['msg']}") from None
 
 
 async def _speak(voice_id: str, request: Request, timestamps: str | None):
@@ -245,7 +231,9 @@ async def _speak(voice_id: str, request: Request, timestamps: str | None):
         utterance = await aprepare_utterance(service, body.text, voice, SamplingFields(
             seed=seed, greedy=service.settings.elevenlabs_greedy or None), param="text",
             normalization_options=NORMALIZATION[body.apply_text_normalization], disconnected=request.is_disconnected)
-        encoder = fmt.encoder(service.model.codec.sample_rate)
+        model = service.model
+        assert model is not None, "require_ready() passed: the model is loaded"
+        encoder = fmt.encoder(model.codec.sample_rate)
         try:
             handle = await utterance.start(service, AsyncSink(), arrived=request.state.started)
         except BaseException:
@@ -255,130 +243,21 @@ async def _speak(voice_id: str, request: Request, timestamps: str | None):
         return from_engine(e).elevenlabs_response()
     meter = StreamMeter(metrics, "elevenlabs_http", request.state.started)
     end = StreamEnd(handle, TurnAudio(meter, encoder=encoder), metrics, endpoint)
-    aligner = Alignments(utterance, clock) if timestamps else None
-    chunks = aligned_pairs(end, aligner, utterance.text)            # what the model reads
+    aligner = Alignments(utterance.normalized, clock) if timestamps else None
+    chunks = aligned_audio(end, aligner, utterance.text)            # what the model reads
     headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no", "X-Request-Id": request.state.request_id}
     if timestamps == "whole":
+        assert aligner is not None, "a with-timestamps reply has its aligner"
         reply = await whole(request, end, whole_aligned(chunks, aligner))
         return JSONResponse(reply if reply is not None else {}, headers=headers)
     stall = service.policy.stall_timeout
     if timestamps:
         return StreamedResponse(_ndjson(chunks), end, stall, media_type="application/json", headers=headers)
-    return StreamedResponse((data async for data, _, _ in chunks if data), end, stall, media_type=encoder.content_type,
-                            headers=headers)
+    return StreamedResponse((data async for data, _, _ in chunks if data), end, stall,
+                            media_type=encoder.content_type, headers=headers)
 
 
-class Alignments:
-    """A with-timestamps reply's two alignments, as ElevenLabs gives them: ``alignment`` over the text as sent
-    and ``normalized_alignment`` over the text the model read (the normalized text; the same as
-    ``alignment`` when normalization changed nothing). The interface of an
-    :class:`~app.alignment.characters.Aligner` (fed the model's text), whose spans are ``alignment``'s;
-    :attr:`normalized` is the span the last call gave ``normalized_alignment``."""
-
-    def __init__(self, utterance, clock: str):
-        self._read = Aligner(clock)               # over the text the model reads
-        self._sent = SentAligner(_Tap(self._read, self), utterance.normalized) if utterance.normalized.changed \
-            else None
-        self.clock_name = clock
-        self.normalized: Span | None = None
-
-    def add(self, delta: str, current: bool = True) -> None:
-        (self._sent or self._read).add(delta, current)
-
-    def frame(self, text_chars: int, audio=None) -> Span | None:
-        return self._said(lambda a: a.frame(text_chars, audio))
-
-    def rest(self) -> Span | None:
-        return self._said(lambda a: a.rest())
-
-    def final(self) -> Span | None:
-        return self._said(lambda a: a.final())
-
-    def _said(self, call) -> Span | None:
-        if self._sent is None:
-            self.normalized = call(self._read)
-            return self.normalized
-        return call(self._sent)                   # its inner call records ``normalized`` (the tap)
-
-
-class _Tap:
-    """The aligner a :class:`SentAligner` maps from, recording each span it gives (the normalized one)."""
-
-    def __init__(self, aligner: Aligner, into: Alignments):
-        self._aligner, self._into = aligner, into
-        self.clock_name = aligner.clock_name
-
-    def add(self, delta: str, current: bool = True) -> None:
-        self._aligner.add(delta, current)
-
-    def frame(self, *args, **kwargs) -> Span | None:
-        return self._record(self._aligner.frame(*args, **kwargs))
-
-    def rest(self) -> Span | None:
-        return self._record(self._aligner.rest())
-
-    def final(self) -> Span | None:
-        return self._record(self._aligner.final())
-
-    def _record(self, span: Span | None) -> Span | None:
-        self._into.normalized = span
-        return span
-
-
-def _normalized(aligner, span: Span | None) -> Span | None:
-    return aligner.normalized if isinstance(aligner, Alignments) else span
-
-
-async def aligned_chunks(end: StreamEnd, aligner, text: str):
-    """(encoded bytes, alignment in seconds from the start or None) per frame, then the tail."""
-    async for data, alignment, _ in aligned_pairs(end, aligner, text):
-        yield data, alignment
-
-
-async def aligned_pairs(end: StreamEnd, aligner, text: str):
-    """(encoded bytes, alignment, normalized alignment) per frame, then the tail: seconds from the start, or
-    None. ``aligner``: :class:`Alignments` (the normalized one is its own) or any aligner (the same span)."""
-    if aligner is not None:
-        aligner.add(text)
-    async for out in outs(end):
-        if isinstance(out, Failed):
-            return                               # logged and counted by outs; the body just ends
-        if aligner is None:
-            span = None
-        elif isinstance(out, Audio):
-            span = aligner.frame(out.frame.text_chars, out.frame.audio)
-        else:
-            span = aligner.rest()
-        norm = _normalized(aligner, span)
-        yield (out.data if isinstance(out, Audio) else out.tail, span.seconds() if span is not None else None,
-               norm.seconds() if norm is not None else None)
-
-
-def _merged() -> dict:
-    return {"characters": [], "character_start_times_seconds": [], "character_end_times_seconds": []}
-
-
-async def whole_aligned(chunks, aligner) -> dict:
-    """The whole reply: its audio once, and its alignments (``chunks`` of :func:`aligned_chunks` or
-    :func:`aligned_pairs`) re-timed knowing where the speech ended (the speech clock; the read clock's spans
-    as they came)."""
-    audio: list[bytes] = []
-    merged, normalized = _merged(), _merged()
-    async for data, alignment, *rest in chunks:
-        audio.append(data)
-        for whole_of, part in ((merged, alignment), (normalized, rest[0] if rest else alignment)):
-            for key in whole_of if part else ():
-                whole_of[key] += part[key]
-    final = aligner.final()
-    if final is not None:
-        merged = final.seconds()
-        norm = _normalized(aligner, final)
-        normalized = norm.seconds() if norm is not None else normalized
-    return {"audio_base64": base64.b64encode(b"".join(audio)).decode(), "alignment": merged,
-            "normalized_alignment": normalized}
-
-
-async def _ndjson(chunks):
+async def _ndjson(chunks: AsyncIterator[AlignedAudio]) -> AsyncIterator[bytes]:
     """One JSON object per line, as ElevenLabs streams with-timestamps."""
     async for data, alignment, normalized in chunks:
         if data or alignment or normalized:

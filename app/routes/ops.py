@@ -6,11 +6,10 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from ..errors import ApiError
+from ..errors import ApiError, elevenlabs_client
 from ..schemas import AudioModelList, ModelCard, ModelList, Named
 from ..service import MODEL_ALIASES, MODEL_ID, TTSService
 from ..session.policy import require_key
-from .elevenlabs_http import model_list, wants_elevenlabs
 
 router = APIRouter()
 
@@ -31,7 +30,7 @@ async def ready(request: Request):
             "device": service.bundle.device, "device_reason": service.bundle.device_reason}
     if state == "failed":
         body["error"] = service.error
-    if state == "broken":
+    if state == "broken" and service.scheduler is not None:     # broken: the running scheduler says why
         body["error"] = service.scheduler.broken
     if service.scheduler is not None:
         s = service.scheduler.stats()
@@ -65,8 +64,26 @@ async def list_models(request: Request):
     """Our model and the OpenAI names we accept for it (any ``model`` string is accepted by the speech route)."""
     service: TTSService = request.app.state.service
     if wants_elevenlabs(request):
-        return JSONResponse(model_list(service, (MODEL_ID, *MODEL_ALIASES)))
+        return JSONResponse(elevenlabs_models(service, (MODEL_ID, *MODEL_ALIASES)))
     return ModelList(data=_cards(service))
+
+
+def elevenlabs_models(service: TTSService, names: tuple[str, ...]) -> list[dict]:
+    """``GET /v1/models`` for an ElevenLabs client (``models.list``; see :func:`wants_elevenlabs`)."""
+    demo = " (demo bundle: random weights, the audio is noise)" if service.bundle.is_demo else ""
+    return [{"model_id": name, "name": "MOSS-TTS-Realtime" if i == 0 else name, "can_do_text_to_speech": True,
+             "can_do_voice_conversion": False, "can_use_style": False, "can_use_speaker_boost": False,
+             "can_be_finetuned": False, "serves_pro_voices": False, "requires_alpha_access": False,
+             "token_cost_factor": 1.0, "maximum_text_length_per_request": service.settings.max_input_chars,
+             "description": "streaming text-to-speech" + demo,
+             "languages": [{"language_id": "en", "name": "English"}, {"language_id": "zh", "name": "Chinese"}]}
+            for i, name in enumerate(names)]
+
+
+def wants_elevenlabs(request: Request) -> bool:
+    """Whether ``GET /v1/models`` comes from an ElevenLabs client (:func:`app.errors.elevenlabs_client`): its
+    list, and its errors, are then ElevenLabs'."""
+    return elevenlabs_client(request.headers)
 
 
 @router.get("/v1/audio/models", dependencies=[Depends(require_key)], response_model=AudioModelList)

@@ -6,28 +6,25 @@ from __future__ import annotations
 
 import base64
 import json
+from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
-from starlette.concurrency import run_in_threadpool
 
-from engine.serving.handles import AsyncSink
-
-from ..alignment.characters import Aligner
+from ..alignment.characters import Span
+from ..alignment.contract import FrameAligner
 from ..alignment.words import WordTimestamps
-from ..audio_formats import CONTENT_TYPES, StreamEncoder, whole_file
+from ..audio_formats import CONTENT_TYPES, whole_file
 from ..errors import ApiError
-from ..metrics import StreamMeter
 from ..schemas import SpeechRequest
-from ..service import SamplingFields, TTSService
+from ..service import TTSService
 from ..session.http import StreamedResponse, StreamEnd, outs, whole
-from ..session.policy import require_key, require_speakable
-from ..session.pump import Audio, Ended, Failed, TurnAudio
-from ..session.utterance import Utterance, aprepare_utterance
+from ..session.policy import require_key
+from ..session.pump import Audio, Ended, Failed
+from ..session.speech import reply_headers, start_speech
 
 router = APIRouter()
 ENDPOINT = "/v1/audio/speech"
-IGNORED_HEADER = "X-Mossrt-Ignored"        # request fields this model cannot use, named in the reply
 
 
 @router.post(ENDPOINT, dependencies=[Depends(require_key)], response_class=Response,
@@ -43,11 +40,14 @@ async def create_speech(body: SpeechRequest, request: Request):
         raise ApiError("invalid_value", "stream false is one audio body: not with stream_format 'sse'", "stream")
     utterance, end = await start_speech(body, request, "sse" if body.stream_format == "sse" else "http", ENDPOINT)
     headers = reply_headers(body, request)
-    content_type = end.turn.encoder.content_type
+    encoder = end.turn.encoder
+    assert encoder is not None, "start_speech made the reply's encoder"
+    content_type = encoder.content_type
     if not body.stream:
         audio = await whole(request, end, _joined(end, body.response_format))
         return Response(audio or b"", media_type=content_type, headers=headers)
-    stall = request.app.state.service.policy.stall_timeout
+    service: TTSService = request.app.state.service
+    stall = service.policy.stall_timeout
     if body.stream_format == "sse":
         aligner = utterance.aligner() if body.return_timestamps else None
         return StreamedResponse(_sse(len(utterance.ids), end, aligner, utterance.text), end, stall,
@@ -55,50 +55,12 @@ async def create_speech(body: SpeechRequest, request: Request):
     return StreamedResponse(_audio(end), end, stall, media_type=content_type, headers=headers)
 
 
-async def start_speech(body: SpeechRequest, request: Request, transport: str,
-                       endpoint: str) -> tuple[Utterance, StreamEnd]:
-    """The request's utterance checked and its stream opened (every route with OpenAI's speech body)."""
-    service: TTSService = request.app.state.service
-    service.require_ready()
-    if isinstance(body.input, str):
-        require_speakable(body.input, "input")       # whitespace or zero-width text: empty_input, as every transport
-    voice = await run_in_threadpool(service.resolve_voice,     # a registered voice's codes come from disk
-                                    body.voice.model_dump() if hasattr(body.voice, "model_dump") else body.voice)
-    utterance = await aprepare_utterance(service, body.input, voice, SamplingFields(
-        seed=body.seed, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
-        repetition_penalty=body.repetition_penalty, repetition_window=body.repetition_window, greedy=body.greedy),
-        body.max_frames, body.allow_special_tokens, normalization_options=body.normalization_options,
-        disconnected=request.is_disconnected)
-    try:
-        encoder = StreamEncoder(body.response_format, service.model.codec.sample_rate, body.speed,
-                                out_rate=body.sample_rate)
-    except ValueError as e:
-        raise ApiError("invalid_value", str(e), "sample_rate" if body.sample_rate else "speed") from None
-    try:
-        handle = await utterance.start(service, AsyncSink(), arrived=request.state.started)
-    except BaseException:
-        encoder.close()
-        raise                                        # counted by the request guard with its status
-    metrics = request.app.state.metrics
-    meter = StreamMeter(metrics, transport, request.state.started)
-    return utterance, StreamEnd(handle, TurnAudio(meter, encoder=encoder), metrics, endpoint)
-
-
-def reply_headers(body: SpeechRequest, request: Request) -> dict[str, str]:
-    """A speech reply's headers; ``instructions`` is answered, not silently dropped: MOSS-TTS-Realtime conditions
-    on its fixed system prompt, the text and a voice only (docs/api-openai.md)."""
-    headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no", "X-Request-Id": request.state.request_id}
-    if body.instructions:
-        headers[IGNORED_HEADER] = "instructions"
-    return headers
-
-
 async def _joined(end: StreamEnd, fmt: str) -> bytes:
     """The whole audio (``stream: false``); a failure after it began ends it where it failed, as a stream does."""
     return whole_file(fmt, b"".join([data async for data in _audio(end)]))
 
 
-async def _audio(end: StreamEnd):
+async def _audio(end: StreamEnd) -> AsyncIterator[bytes]:
     async for out in outs(end):
         if isinstance(out, Failed):
             return                               # logged and counted by outs; the body just ends
@@ -107,9 +69,9 @@ async def _audio(end: StreamEnd):
             yield data
 
 
-async def _sse(input_tokens: int, end: StreamEnd, aligner: Aligner | None, text: str):
+async def _sse(input_tokens: int, end: StreamEnd, aligner: FrameAligner | None, text: str) -> AsyncIterator[bytes]:
     meter = end.turn.meter
-    words = WordTimestamps() if aligner is not None else None
+    words = WordTimestamps()                       # fed only when there is an aligner
     if aligner is not None:
         aligner.add(text)
     async for out in outs(end):
@@ -129,6 +91,7 @@ async def _sse(input_tokens: int, end: StreamEnd, aligner: Aligner | None, text:
                 yield _timestamps(done)
             timing = meter.finish()
             stats = out.stats
+            assert stats.finish_reason is not None, "an ended turn's stats say why it ended"
             yield _event({"type": "speech.audio.done",
                           "usage": {"input_tokens": input_tokens, "output_tokens": stats.frames,
                                     "total_tokens": input_tokens + stats.frames},
@@ -137,7 +100,7 @@ async def _sse(input_tokens: int, end: StreamEnd, aligner: Aligner | None, text:
                                       "elapsed_ms": timing["total_ms"]}})
 
 
-def _seconds(span) -> dict | None:
+def _seconds(span: Span | None) -> dict | None:
     return span.seconds() if span is not None else None
 
 

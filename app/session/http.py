@@ -9,22 +9,29 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import AsyncGenerator, AsyncIterable, AsyncIterator, Awaitable, Mapping
+from typing import TypeVar
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
+from starlette.background import BackgroundTask
+from starlette.responses import ContentStream
+from starlette.types import Message, Receive, Scope, Send
 
 from engine.serving.handles import StreamHandle
 
-from .pump import Ended, Failed, TurnAudio, pump
+from ..metrics import Metrics
+from .pump import Ended, Failed, Out, TurnAudio, pump
 
 log = logging.getLogger("mossrt.http")
+T = TypeVar("T")
 
 
 class StreamEnd:
     """Closes a reply's stream once, however it ends: the engine stream (its slot), the encoder, the meter,
     and the request counted with its final status."""
 
-    def __init__(self, handle: StreamHandle, turn: TurnAudio, metrics, endpoint: str):
+    def __init__(self, handle: StreamHandle, turn: TurnAudio, metrics: Metrics, endpoint: str):
         self.handle, self.turn, self.metrics, self.endpoint = handle, turn, metrics, endpoint
         self.status = "client_disconnected"
         self._done = False
@@ -44,7 +51,7 @@ class StreamEnd:
         log.warning("%s stream ended: the client took no audio for %g s", self.endpoint, stall_timeout)
 
 
-async def outs(end: StreamEnd):
+async def outs(end: StreamEnd) -> AsyncIterator[Out]:
     """The reply's pump items; an error after the headers were sent is logged and ends the body (``Failed``
     is still yielded so that a format with an error event can say it). The final status goes to ``end``."""
     try:
@@ -69,12 +76,14 @@ class StreamedResponse(StreamingResponse):
     in any way the stream is closed here. A chunk the client does not take within ``stall_timeout`` seconds
     ends the response (the slot is freed, ``mossrt_stalled_streams_total`` counts it)."""
 
-    def __init__(self, content, end: StreamEnd, stall_timeout: float, **kwargs):
-        super().__init__(content, **kwargs)
+    def __init__(self, content: ContentStream, end: StreamEnd, stall_timeout: float,
+                 media_type: str | None = None, headers: Mapping[str, str] | None = None,
+                 background: BackgroundTask | None = None):
+        super().__init__(content, media_type=media_type, headers=headers, background=background)
         self._end, self._stall_timeout = end, stall_timeout
 
-    async def __call__(self, scope, receive, send) -> None:
-        async def bounded_send(message) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        async def bounded_send(message: Message) -> None:
             try:
                 await asyncio.wait_for(send(message), self._stall_timeout)
             except asyncio.TimeoutError:
@@ -89,15 +98,17 @@ class StreamedResponse(StreamingResponse):
             await _close(self.body_iterator)
 
 
-async def _close(iterator) -> None:
+async def _close(iterator: AsyncIterable[object]) -> None:
     """Finalize the body generator now (it may be suspended at a ``yield``); a no-op once it ended."""
+    if not isinstance(iterator, AsyncGenerator):
+        return                       # nothing to finalize
     try:
         await iterator.aclose()
     except Exception:  # noqa: BLE001 - its own cleanup already ran or failed; the stream is closed
         pass
 
 
-async def whole(request: Request, end: StreamEnd, collect) -> object | None:
+async def whole(request: Request, end: StreamEnd, collect: Awaitable[T]) -> T | None:
     """Await ``collect`` (a coroutine that consumes the reply) while watching the connection: a client that
     disconnects or resets before the reply is whole cancels the stream at the next step (None is returned).
     The stream is closed either way."""

@@ -12,10 +12,14 @@ from __future__ import annotations
 
 import hmac
 import unicodedata
+from collections.abc import Mapping
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 from fastapi import Request
+from starlette.datastructures import Headers
+
+from engine.serving.stream import StreamState
 
 from ..errors import ApiError
 from ..settings import ServerSettings
@@ -57,7 +61,7 @@ class TextLedger:
     def saw_frame(self, text_chars: int) -> None:
         self.read = max(self.read, text_chars)
 
-    def unspoken(self, stream) -> int:
+    def unspoken(self, stream: StreamState | None) -> int:
         """Characters of this turn not yet read by the model (``stream``: its ``StreamState``). A turn fed token
         ids counts each id not yet fed as one. Whenever the stream has nothing pending, everything received
         has been read: the count catches up, so text whose NFC form is shorter than as sent cannot add up."""
@@ -145,7 +149,7 @@ class SessionPolicy:
         key = bearer(candidate)
         return key is not None and any(hmac.compare_digest(key.encode(), k.encode()) for k in self.api_keys)
 
-    def http_key_error(self, headers, method: str = "", path: str = "") -> ApiError | None:
+    def http_key_error(self, headers: Mapping[str, str], method: str = "", path: str = "") -> ApiError | None:
         """The 401 of an HTTP request without a valid key (None when keys are off, it has one, or it reads one
         of ``keyless_routes``)."""
         if not self.keys_required or (method in ("GET", "HEAD") and path in self.keyless_routes):
@@ -155,7 +159,7 @@ class SessionPolicy:
         return ApiError("invalid_api_key", "missing or invalid API key: send 'Authorization: Bearer <key>' "
                                            "(or 'xi-api-key: <key>')")
 
-    def origin_allowed(self, headers) -> bool:
+    def origin_allowed(self, headers: Headers) -> bool:
         """A WebSocket upgrade's ``Origin`` (Starlette ``Headers``): none (not a browser), ``*``, one listed
         (compared as :func:`origin_key` serialises both; ``null`` only when listed), or an http(s) page of
         this server's own ``Host``. Two ``Origin`` headers, or a value that is no origin, are refused."""
@@ -174,7 +178,7 @@ class SessionPolicy:
         scheme = origin.split("://", 1)[0]
         return scheme in ("http", "https") and origin == origin_key(f"{scheme}://{headers.get('host', '')}")
 
-    def websocket_credentials(self, headers, query) -> tuple[bool, str | None]:
+    def websocket_credentials(self, headers: Mapping[str, str], query: Mapping[str, str]) -> tuple[bool, str | None]:
         """(authorized by the handshake, the subprotocol to accept with). ``Authorization``, ElevenLabs'
         ``xi-api-key``, ``?api_key=`` and the ``mossrt.key.<key>`` subprotocol are each accepted."""
         protocols = [p.strip() for p in headers.get("sec-websocket-protocol", "").split(",") if p.strip()]

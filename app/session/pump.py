@@ -13,7 +13,7 @@ import queue
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable, Iterator
 
-from engine.serving.handles import FrameEvent, StreamError, StreamHandle, TurnEnd
+from engine.serving.handles import Event, FrameEvent, StreamError, StreamHandle, TurnEnd
 from engine.serving.stream import Frame, TurnStats
 
 from ..audio_formats import StreamEncoder
@@ -56,13 +56,14 @@ class TurnAudio:
         self.seconds_per_frame = FRAME_SECONDS
         self.text = TextLedger()
 
-    def on_event(self, event) -> Out | None:
+    def on_event(self, event: Event) -> Out | None:
         if isinstance(event, FrameEvent):
             self.meter.frame()
             self.text.saw_frame(event.frame.text_chars)
             if event.frame.audio is None:
                 return None
             if self.encoder is None:
+                assert self._make is not None, "a TurnAudio made without an encoder is given make_encoder"
                 self.encoder = self._make()
             self.seconds_per_frame = FRAME_SECONDS / self.encoder.speed      # what the client plays per frame
             return Audio(self.encoder.write(event.frame.audio), event.frame)

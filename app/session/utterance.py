@@ -7,7 +7,7 @@ import asyncio
 import threading
 import weakref
 from dataclasses import dataclass
-from typing import Awaitable, Callable
+from typing import TYPE_CHECKING, Awaitable, Callable
 
 import anyio.to_thread
 import numpy as np
@@ -21,7 +21,11 @@ from ..alignment.characters import Aligner
 from ..alignment.spans import SentAligner
 from ..errors import ApiError
 from ..normalize import OFF, BudgetExceeded, Normalized, Switches, Work, normalize
+from .contracts import UtteranceService
 from .policy import speakable
+
+if TYPE_CHECKING:       # a type only, as in .contracts
+    from ..service import SamplingFields
 
 DISCONNECT_POLL_S = 0.1             # how often a normalizing request looks whether its client is still there
 # Normalizing is Python that holds the interpreter lock: one worker at a time already uses all the CPU a process
@@ -43,7 +47,7 @@ def _normalizer_gate() -> asyncio.Semaphore:
 @dataclass(frozen=True)
 class Utterance:
     text: str                      # what the model reads: the sent text, normalized if that was asked for
-    ids: list[int]
+    ids: np.ndarray                # the text's token ids (int64)
     voice: np.ndarray | None
     params: SamplingParams
     seed: int | None
@@ -56,50 +60,56 @@ class Utterance:
         aligner = Aligner(clock)
         return SentAligner(aligner, self.normalized) if self.normalized.changed else aligner
 
-    async def start(self, service, sink: EventSink, arrived: float | None = None, **kwargs) -> StreamHandle:
+    async def start(self, service: UtteranceService, sink: EventSink, arrived: float | None = None,
+                    may_park_others: bool = True) -> StreamHandle:
         """Its stream on the event loop: waiting for a slot awaits; the queue timeout counts from ``arrived``
         (the request's arrival), so it is the time to the 429. Fed as text: frames say which characters they
-        read. ``kwargs`` go to ``astart_utterance`` (``may_park_others``)."""
+        read. ``may_park_others`` False: it takes only a free slot (``astart_utterance``)."""
         return await service.astart_utterance(self.ids, self.voice, self.params, self.seed, sink, self.max_frames,
-                                              self.allow_special_tokens, arrived=arrived, text=self.text, **kwargs)
+                                              self.allow_special_tokens, arrived=arrived, text=self.text,
+                                              may_park_others=may_park_others)
 
-    def start_blocking(self, service, sink: EventSink, wait: float | None = None) -> StreamHandle:
+    def start_blocking(self, service: UtteranceService, sink: EventSink, wait: float | None = None) -> StreamHandle:
         """Its stream from a thread (gRPC), waiting at most ``wait`` s for a slot."""
         return service.start_utterance(self.ids, self.voice, self.params, self.seed, sink, self.max_frames,
                                        self.allow_special_tokens, wait=wait, text=self.text)
 
 
-def normalization(service, switches: Switches | None) -> Switches:
+def normalization(service: UtteranceService, switches: Switches | None) -> Switches:
     """A request's normalization switches, or the server's default (``MOSSRT_NORMALIZE_TEXT``)."""
     if switches is not None:
         return switches
     return Switches() if service.settings.normalize_text == "on" else OFF
 
 
-async def aprepare_utterance(service, text: str, *args, normalization_options: Switches | None = None,
-                             disconnected: Callable[[], Awaitable[bool]] | None = None, **kwargs) -> Utterance:
+async def aprepare_utterance(service: UtteranceService, text: str, voice: np.ndarray | None,
+                             sampling: SamplingFields, max_frames: int | None = None,
+                             allow_special_tokens: bool = False, param: str = "input", *,
+                             normalization_options: Switches | None = None,
+                             disconnected: Callable[[], Awaitable[bool]] | None = None) -> Utterance:
     """:func:`prepare_utterance` on the event loop: when the text is to be normalized, in a worker thread (a
     text of 100,000 characters of numbers takes a second or two to say in words, and must not hold the loop),
     after the checks that cost nothing (empty, over ``--max-input-chars``) have refused it on the loop. The
     worker stops (``normalize``'s ``Work.cancel``) when this task is cancelled or ``disconnected()`` says the
     client left (then this raises ``asyncio.CancelledError``)."""
     if not normalization(service, normalization_options).normalize:
-        return prepare_utterance(service, text, *args, normalization_options=normalization_options, **kwargs)
-    _check_text(service, text, kwargs.get("param", "input"))
+        return prepare_utterance(service, text, voice, sampling, max_frames, allow_special_tokens, param,
+                                 normalization_options)
+    _check_text(service, text, param)
     cancel = threading.Event()
 
     async def normalized() -> Utterance:
         async with _normalizer_gate():
             return await anyio.to_thread.run_sync(
-                lambda: prepare_utterance(service, text, *args, normalization_options=normalization_options,
-                                          cancel=cancel, **kwargs), abandon_on_cancel=True)
+                lambda: prepare_utterance(service, text, voice, sampling, max_frames, allow_special_tokens, param,
+                                          normalization_options, cancel), abandon_on_cancel=True)
     job = asyncio.ensure_future(normalized())
     try:
         while True:
             done, _ = await asyncio.wait({job}, timeout=DISCONNECT_POLL_S if disconnected else None)
             if done:
                 return job.result()
-            if await disconnected():
+            if disconnected is not None and await disconnected():
                 raise asyncio.CancelledError("the client left while its text was normalized")
     finally:
         cancel.set()                 # the worker stops at its next window; a finished one is not affected
@@ -107,7 +117,7 @@ async def aprepare_utterance(service, text: str, *args, normalization_options: S
             job.cancel()
 
 
-def _check_text(service, text: str, param: str) -> None:
+def _check_text(service: UtteranceService, text: object, param: str) -> None:
     """What is refused before any other work: not ready, nothing to speak (whitespace, NBSP, zero-width
     characters alone, as on every transport), over ``--max-input-chars`` (before normalizing: bounds its work)."""
     service.require_ready()
@@ -119,8 +129,8 @@ def _check_text(service, text: str, param: str) -> None:
         raise ApiError("input_too_long", str(e), param) from None
 
 
-def prepare_utterance(service, text: str, voice: np.ndarray | None, sampling, max_frames: int | None = None,
-                      allow_special_tokens: bool = False, param: str = "input",
+def prepare_utterance(service: UtteranceService, text: str, voice: np.ndarray | None, sampling: SamplingFields,
+                      max_frames: int | None = None, allow_special_tokens: bool = False, param: str = "input",
                       normalization_options: Switches | None = None,
                       cancel: threading.Event | None = None) -> Utterance:
     """The checked utterance, or the catalogue's error naming ``param``: ``empty_input``, ``input_too_long``
@@ -138,8 +148,10 @@ def prepare_utterance(service, text: str, voice: np.ndarray | None, sampling, ma
         max_frames = service.limits.check_max_frames(max_frames)
     except InputError as e:
         raise ApiError("invalid_value", str(e), "max_frames") from None
+    model = service.model
+    assert model is not None, "_check_text's require_ready() passed: the model is loaded"
     try:
-        ids = utterance_ids(service.model, service.limits, voice, max_frames, text=normalized.spoken,
+        ids = utterance_ids(model, service.limits, voice, max_frames, text=normalized.spoken,
                             allow_special_tokens=allow_special_tokens)
     except (TextTooLongError, ContextLimitError) as e:
         said = " (normalized)" if normalized.changed else ""
