@@ -90,7 +90,7 @@ def speech(base: str) -> None:
         mp3, ctype = r.read(), r.headers.get("content-type")
     if ctype != "audio/mpeg":
         raise ProbeError(f"default response_format answered {ctype}, expected audio/mpeg")
-    with av.open(io.BytesIO(mp3)) as container:
+    with av.open(io.BytesIO(mp3), mode="r") as container:
         stream = container.streams.audio[0]
         pcm = np.concatenate([f.to_ndarray().reshape(-1) for f in container.decode(stream)])
         check_audio("mp3 (PyAV)", pcm, stream.rate)
@@ -125,7 +125,8 @@ def drain(base: str, stop_cmd: list[str]) -> None:
         try:
             rest = r.read()
         except http.client.IncompleteRead as e:
-            raise ProbeError(f"the stream in flight at the stop was cut off after {len(first) + len(e.partial)} bytes") from e
+            cut_at = len(first) + len(e.partial)
+            raise ProbeError(f"the stream in flight at the stop was cut off after {cut_at} bytes") from e
     got = len(first) + len(rest)
     try:
         _, stop_errors = stop.communicate(timeout=SPEECH_TIMEOUT_S)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import struct
 from fractions import Fraction
-from typing import Any
+from typing import Any, cast
 
 import av
 import av.error
@@ -85,7 +85,8 @@ _CODECS: dict[str, _CodecSpec] = {
 
 
 def float_to_pcm16(samples: np.ndarray) -> bytes:
-    """float32 [-1, 1] -> s16le bytes: clip to [-1, 1], multiply by 32767, round half to even (np.rint), int16 little endian."""
+    """float32 [-1, 1] -> s16le bytes: clip to [-1, 1], multiply by 32767, round half to even (np.rint), int16
+    little endian."""
     return _to_int16(np.asarray(samples, dtype=np.float32)).tobytes()
 
 
@@ -95,7 +96,8 @@ def _to_int16(samples: np.ndarray) -> np.ndarray:
 
 
 def wav_stream_header(sample_rate: int = 24000, channels: int = 1) -> bytes:
-    """44-byte RIFF/WAVE header, PCM 16-bit, with RIFF and data sizes 0xFFFFFFFF (a streaming WAV whose length is unknown)."""
+    """44-byte RIFF/WAVE header, PCM 16-bit, with RIFF and data sizes 0xFFFFFFFF (a streaming WAV whose length is
+    unknown)."""
     block_align = channels * 2
     return (
         b"RIFF"
@@ -236,7 +238,8 @@ class _AvBackend:
             # Push every packet to the sink at once instead of filling a 32 KiB AVIO buffer.
             container_options={"flush_packets": "1", **spec.muxer_options},
         )
-        self._stream = self._container.add_stream(spec.codec, rate=sample_rate, layout="mono")
+        # an audio codec's name gives an audio stream (PyAV types add_stream by codec name only for some)
+        self._stream = cast(av.AudioStream, self._container.add_stream(spec.codec, rate=sample_rate, layout="mono"))
         ctx = self._stream.codec_context
         ctx.format = spec.sample_fmt
         if bit_rate or spec.bit_rate:

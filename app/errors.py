@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -273,7 +274,8 @@ def json_error(exc: BaseException) -> ApiError | None:
 
 def _validation_error(exc: RequestValidationError) -> ApiError:
     # of a union's errors (voice: a string or {"id"}), the one that went deepest says what is wrong
-    err = max(exc.errors(), key=lambda e: len(e.get("loc", ())), default={"loc": (), "msg": "invalid request"})
+    err: dict[str, Any] = max(exc.errors(), key=lambda e: len(e.get("loc", ())),
+                              default={"loc": (), "msg": "invalid request"})
     loc = [str(p) for p in err.get("loc", ()) if p not in ("body", "query", "path", "header") and not _union_tag(p)]
     param = ".".join(loc) or None
     msg = err.get("msg", "invalid request")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, generate_latest
 from prometheus_client.core import CounterMetricFamily
@@ -67,7 +68,7 @@ class Metrics:
         for transport in transports:
             self.stalled.labels(transport)
 
-    def render(self, scheduler_stats=None, prefix_stats=None, resume_seconds: list[float] = ()) -> bytes:
+    def render(self, scheduler_stats=None, prefix_stats=None, resume_seconds: Sequence[float] = ()) -> bytes:
         if prefix_stats is not None:
             self._prefix_stats = prefix_stats
             self.prefix_entries.set(prefix_stats.entries)
@@ -109,7 +110,7 @@ class StreamMeter:
 
     def audio_sent(self, seconds: float) -> None:
         now = time.monotonic()
-        if self.first_audio is None:
+        if self.first_audio is None or self.last_chunk is None:     # the first audio (both are set by it)
             self.first_audio = now
             self.metrics.ttfa.labels(self.transport).observe(now - self.started)
         else:

@@ -83,12 +83,13 @@ def create_app(settings: ServerSettings, bundle: Bundle) -> FastAPI:
     for module in (ops, speech, captioned, voices, ws, elevenlabs_ws, elevenlabs_http, web):
         app.include_router(module.router)
     # the series an SLO divides by exist at 0 from the start (a counter first seen at 5 shows no rate)
-    metrics.initialise(endpoints=(speech.ENDPOINT, captioned.ENDPOINT, ws.PATH, elevenlabs_ws.MULTI_PATH, elevenlabs_ws.SINGLE_PATH,
-                                  *elevenlabs_http.STREAMED_PATHS,
+    metrics.initialise(endpoints=(speech.ENDPOINT, captioned.ENDPOINT, ws.PATH, elevenlabs_ws.MULTI_PATH,
+                                  elevenlabs_ws.SINGLE_PATH, *elevenlabs_http.STREAMED_PATHS,
                                   *((wyoming_session.ENDPOINT,) if wyoming is not None else ())),
                        transports=("http", "sse", "ws", "elevenlabs", "elevenlabs_http",
                                    *((wyoming_session.PROTOCOL,) if wyoming is not None else ())))
-    app.openapi = lambda: _openapi(app)
+    # FastAPI's documented way to customise the schema: replace the app's openapi method
+    app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
     return app
 
 

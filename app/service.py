@@ -96,6 +96,19 @@ class TTSService:
         self.sessions_open = 0           # WebSocket sessions past their gate (bounded by ws_max_sessions)
         self._sessions_lock = threading.Lock()
 
+    # ------------------------------------------------------------------ the loaded engine
+    def _loaded_model(self) -> TTSModel:
+        """The model, once loaded: request paths reach here after ``require_ready`` (or from ``_load``)."""
+        if self.model is None:
+            raise ApiError("loading", "the model is loading")
+        return self.model
+
+    def _engine(self) -> Scheduler:
+        """The scheduler, once loaded (as ``_loaded_model``)."""
+        if self.scheduler is None:
+            raise ApiError("loading", "the model is loading")
+        return self.scheduler
+
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
         """Load the model and warm it up on a background thread."""
@@ -115,24 +128,28 @@ class TTSService:
                              warm_buckets=on(self.settings.warm_buckets))
             slots = self.settings.max_streams or self._default_slots(model)
             self.state = "warming"              # /ready: 503 warming while the buckets and first synthesis run
-            self.scheduler = Scheduler(model, slots=slots, limits=self.limits, queue_timeout=self.settings.queue_timeout,
-                                       prefix_cache_bytes=self.settings.prefix_cache_bytes,
-                                       parked_bytes=self.parked_context_bytes())
+            scheduler = Scheduler(model, slots=slots, limits=self.limits, queue_timeout=self.settings.queue_timeout,
+                                  prefix_cache_bytes=self.settings.prefix_cache_bytes,
+                                  parked_bytes=self.parked_context_bytes())
+            self.scheduler = scheduler
             self.model = model
-            if not self.scheduler.wait_warm(timeout=WARM_TIMEOUT_S) or self.scheduler.broken:
-                raise EngineError(self.scheduler.broken or f"the batch buckets did not warm in {WARM_TIMEOUT_S} s")
+            if not scheduler.wait_warm(timeout=WARM_TIMEOUT_S) or scheduler.broken:
+                raise EngineError(scheduler.broken or f"the batch buckets did not warm in {WARM_TIMEOUT_S} s")
             self._warm_up()                     # also computes the default system prompt's prefix KV
             if self.settings.normalize_text == "on":
                 normalize_warm()                # the rules' data (pint, phonenumbers) loaded before /ready
             self.state = "ready"
             log.info("ready in %.1f s: %d stream slots of %d context rows (%.0f MiB each), device %s%s",
                      time.monotonic() - t0, slots, self.limits.max_context_rows,
-                     self.scheduler.runner.bytes_per_stream() / 2**20, self.bundle.device,
-                     f", DEMO bundle ({self.bundle.info.demo.describe()})" if self.bundle.is_demo else "")
+                     scheduler.runner.bytes_per_stream() / 2**20, self.bundle.device, self._demo_note())
         except Exception as e:  # noqa: BLE001 - reported by /ready and the log, the process stays up
             log.exception("loading the bundle failed")
             self.error = f"{type(e).__name__}: {e}"
             self.state = "failed"
+
+    def _demo_note(self) -> str:
+        demo = self.bundle.info.demo
+        return f", DEMO bundle ({demo.describe()})" if self.bundle.is_demo and demo is not None else ""
 
     def parked_context_bytes(self) -> int:
         """Host memory for parked conversations' KV rows: the setting, else an eighth of physical memory."""
@@ -162,7 +179,8 @@ class TTSService:
 
     def _warm_up(self) -> None:
         """One short synthesis: creates every session's kernels and buffers before the first request."""
-        h = self.start_utterance(self.model.tokenizer.encode("Hello."), None, self.model.default_sampling(greedy=True),
+        model = self._loaded_model()
+        h = self.start_utterance(model.tokenizer.encode("Hello."), None, model.default_sampling(greedy=True),
                                  0, QueueSink(), max_frames=2, wait=60)
         try:
             while True:
@@ -202,7 +220,7 @@ class TTSService:
 
     def require_ready(self) -> None:
         if self.health_state == "broken":
-            raise ApiError("engine_broken", f"the engine is broken: {self.scheduler.broken}")
+            raise ApiError("engine_broken", f"the engine is broken: {self._engine().broken}")
         if self.state == "ready":
             return
         if self.state == "draining":
@@ -228,14 +246,15 @@ class TTSService:
                            "Kokoro's; this model takes one voice: 'default', one of OpenAI's names, or a voice "
                            "registered with POST /v1/audio/voices", param)
         if rec is None:
-            raise ApiError("voice_not_found", f"unknown voice {key!r}: use 'default', one of OpenAI's names, or a voice registered "
-                           "with POST /v1/audio/voices", param)
+            raise ApiError("voice_not_found", f"unknown voice {key!r}: use 'default', one of OpenAI's names, or a "
+                           "voice registered with POST /v1/audio/voices", param)
         try:
-            codes = resolve_voice(self.model, self.limits, codes=self.voices.codes(rec))
+            codes = resolve_voice(self._loaded_model(), self.limits, codes=self.voices.codes(rec))
         except VoiceGoneError as e:      # deleted since it was looked up: as if it never was
             raise ApiError("voice_not_found", f"unknown voice {key!r}: {e}", param) from None
         except InputError as e:
             raise ApiError("voice_unusable", str(e), param) from None
+        assert codes is not None, "a registered voice's codes resolve to codes"
         self._load_prefix(rec, codes)
         return codes
 
@@ -250,10 +269,10 @@ class TTSService:
 
     def sampling(self, fields: SamplingFields) -> SamplingParams:
         try:
-            return self.model.default_sampling(temperature=fields.temperature, top_p=fields.top_p, top_k=fields.top_k,
-                                               repetition_penalty=fields.repetition_penalty,
-                                               repetition_window=fields.repetition_window,
-                                               greedy=fields.greedy or None)
+            return self._loaded_model().default_sampling(
+                temperature=fields.temperature, top_p=fields.top_p, top_k=fields.top_k,
+                repetition_penalty=fields.repetition_penalty, repetition_window=fields.repetition_window,
+                greedy=fields.greedy or None)
         except InputError as e:
             raise ApiError("invalid_value", str(e)) from None
 
@@ -263,7 +282,7 @@ class TTSService:
         """A scheduler stream (``Scheduler.open_stream``): ``one_shot`` for one utterance (its slot freed
         without a copy when its turn ends, never parked), ``may_park_others`` False for one whose turns take
         only a free slot (never park another stream's context, so never evict one)."""
-        return self.scheduler.open_stream(voice_codes=voice_codes, params=params, seed=seed, sink=sink,
+        return self._engine().open_stream(voice_codes=voice_codes, params=params, seed=seed, sink=sink,
                                           allow_special_tokens=allow_special_tokens, one_shot=one_shot,
                                           may_park_others=may_park_others)
 
@@ -318,26 +337,29 @@ class TTSService:
         text-only opening (cached, and kept beside the voice so a restart does not recompute it). Blocking:
         call off the event loop."""
         VoiceRegistry.check_name(name)
-        codes = resolve_voice(self.model, self.limits, wav=(wav, sample_rate))
+        codes = resolve_voice(self._loaded_model(), self.limits, wav=(wav, sample_rate))
+        assert codes is not None, "a reference recording always encodes to codes"
         rec = self.voices.add(name, codes)
-        prefix = self.scheduler.warm_prefix(codes)
+        scheduler = self._engine()
+        prefix = scheduler.warm_prefix(codes)
         if prefix is not None:
-            self.voices.save_prefix(rec, self.scheduler.prefix_to_host(prefix))     # read back once
+            self.voices.save_prefix(rec, scheduler.prefix_to_host(prefix))     # read back once
         return rec
 
     def _load_prefix(self, rec: VoiceRecord, codes: np.ndarray) -> None:
         """A registered voice's persisted prefix KV into the cache (once per process: uploaded to the device)."""
-        cache = self.scheduler.prefix_cache
+        scheduler, model = self._engine(), self._loaded_model()
+        cache = scheduler.prefix_cache
         if cache is None:
             return
-        system = self.model.prompt.system_block(codes)
+        system = model.prompt.system_block(codes)
         key = prefix_key(system)
         if key not in cache:
-            kv = self.voices.load_prefix(rec, self.model.kv_dtype)
-            c = self.model.config
+            kv = self.voices.load_prefix(rec, model.kv_dtype)
+            c = model.config
             # a persisted entry holds the system block's rows, and the assistant header's after it; one of
             # another dtype (or shape) is not used: the first stream with the voice recomputes it
-            rows = (len(system), len(self.model.prompt.tts_prompt(codes)))
-            if kv is not None and kv.dtype == self.model.kv_dtype and kv.ndim == 5 and kv.shape[3] in rows \
+            rows = (len(system), len(model.prompt.tts_prompt(codes)))
+            if kv is not None and kv.dtype == model.kv_dtype and kv.ndim == 5 and kv.shape[3] in rows \
                     and kv.shape[:3] + kv.shape[4:] == (c.layers, 2, c.kv_heads, c.head_dim):
-                self.scheduler.cache_prefix(system, kv)
+                scheduler.cache_prefix(system, kv)

@@ -51,7 +51,7 @@ def _decode_with_av(data: bytes, limits: Limits, what: str, user_audio: bool) ->
                 decoded += frame.samples * frame_channels
                 if decoded > max_decoded:         # a header without a duration, or one that lied
                     limits.check_decoded_samples(frame_channels, decoded // frame_channels, what, user_audio=user_audio)
-                chunk = frame.to_ndarray()                     # [channels, samples] (planar) or [1, samples*ch]
+                chunk: np.ndarray = frame.to_ndarray()         # [channels, samples] (planar) or [1, samples*ch]
                 if frame.format.is_planar:
                     mono = chunk.astype(np.float32).mean(axis=0)
                 else:

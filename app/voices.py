@@ -258,7 +258,8 @@ class VoiceRegistry:
         return self.dir / rec.id / f"prefix-kv-{self.bundle_identity}.npy"
 
     def save_prefix(self, rec: VoiceRecord, kv: np.ndarray) -> None:
-        """Keep the voice's prefix KV (system block + assistant header) beside it (keyed by the bundle: another bundle never reads it)."""
+        """Keep the voice's prefix KV (system block + assistant header) beside it (keyed by the bundle: another
+        bundle never reads it)."""
         path = self._prefix_path(rec)
         tmp = path.with_suffix(".tmp.npy")
         try:

@@ -40,7 +40,8 @@ class Checkpoint:
         self._handles: dict[Path, object] = {}
         cfg = self.dir / "config.json"
         if not cfg.is_file():
-            raise CheckpointError(f"{self.dir}: no config.json (expected an upstream Hugging Face checkpoint directory)")
+            raise CheckpointError(
+                f"{self.dir}: no config.json (expected an upstream Hugging Face checkpoint directory)")
         self.config = _read_json(cfg, "config.json")
         if not isinstance(self.config, dict):
             raise CheckpointError(f"{cfg}: config.json must hold a JSON object")

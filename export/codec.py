@@ -169,7 +169,8 @@ def _rotary_tables(gb: GraphBuilder, pos: str, shape: str, spec: StageSpec) -> t
     return ids, gb.op("Cos", [ang]), gb.op("Sin", [ang])
 
 
-def _skip_layer_norm(gb: GraphBuilder, x: str, delta: str, weight: np.ndarray, bias: np.ndarray, name: str) -> tuple[str, str]:
+def _skip_layer_norm(gb: GraphBuilder, x: str, delta: str, weight: np.ndarray, bias: np.ndarray,
+                     name: str) -> tuple[str, str]:
     """(LayerNorm(x + delta), x + delta) in one ``com.microsoft.SkipLayerNormalization``."""
     y, _, _, total = gb.op("SkipLayerNormalization", [x, delta, gb.weight(name + ".weight", weight),
                                                       gb.weight(name + ".bias", bias)],
@@ -223,6 +224,7 @@ def _stage(gb: GraphBuilder, ckpt: Checkpoint, x: str, spec: StageSpec, frame_po
             h, x = _skip_layer_norm(gb, x, att, get("norm2.weight"), get("norm2.bias"), f"{lp}.norm2")
             h = gb.op("Gelu", [gb.linear(h, get("linear1.weight"), f"{lp}.linear1")], domain="com.microsoft")
             delta = gb.linear(h, get("linear2.weight") * scale2[:, None], f"{lp}.linear2")
+    assert delta is not None, "a codec transformer has at least one layer"
     x = gb.op("Add", [x, delta])
     if f"{p}.output_proj.weight" in ckpt:
         x = gb.linear(x, ckpt.get(f"{p}.output_proj.weight"), f"{p}.output_proj")

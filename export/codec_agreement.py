@@ -98,7 +98,8 @@ def main(argv: list[str] | None = None) -> None:
     if not args.golden:
         rng = np.random.default_rng(args.seed)
         codes = rng.integers(0, ref.codebook_size, size=(args.frames, ref.num_quantizers), dtype=np.int64)
-        rows.append({"clip": f"random codes, seed {args.seed}", **decode_agreement(ref, other, codes, args.n_quantizers)})
+        agreement = decode_agreement(ref, other, codes, args.n_quantizers)
+        rows.append({"clip": f"random codes, seed {args.seed}", **agreement})
     for row in rows:
         print(json.dumps(row))
 

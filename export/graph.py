@@ -14,6 +14,7 @@ from typing import Iterator, Sequence
 
 import ml_dtypes
 import numpy as np
+import numpy.typing as npt
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
@@ -30,7 +31,7 @@ NP_TO_ONNX = {
     np.dtype(np.uint8): TensorProto.UINT8,
     np.dtype(np.bool_): TensorProto.BOOL,
 }
-ONNX_TO_NAME = {
+ONNX_TO_NAME: dict[int, str] = {           # keyed by TensorProto.DataType, the int a tensor type's elem_type holds
     TensorProto.FLOAT: "float32",
     TensorProto.FLOAT16: "float16",
     TensorProto.BFLOAT16: "bfloat16",
@@ -49,14 +50,15 @@ COMPUTE_DTYPES = {"fp32": np.dtype(np.float32), "fp16": np.dtype(np.float16), "b
 # Quantized matmul weights (com.microsoft.MatMulNBits): symmetric, one scale per block of this many inputs of
 # a weight row. accuracy_level 4 lets the CPU kernel quantize the activations to int8 per block as well (MLAS
 # has no fast float32-compute path for 8-bit weights: level 1 dequantizes the whole weight every call), so the
-# block also sets how often its inner loop applies a scale: 8-bit blocks of 64 read 5.6 % fewer bytes than 32
-# and ran a real-dimension backbone layer's one-row matmuls 12-18 % faster (quiet, 2 threads; 128 and 256 no
-# faster), with code agreement on set-a no worse than 32-input blocks with one scale per row. 4 bits keep 32:
-# a coarser block costs them accuracy. The CUDA kernel computes in the activation type regardless.
+# block also sets how often its inner loop applies a scale. 8 bits default to 64: fewer scale bytes and block
+# steps than 32 with no worse agreement, and the agreement tests' floors are measured at 64. 4 bits keep 32: a
+# coarser block costs them accuracy. The CUDA kernel computes in the activation type regardless. The
+# measurements: docs/performance.md (int8 in blocks of 64) and docs/export.md (int8 in blocks of 128).
 INT8_BLOCK = 64
-# The int8 blocks `mossrt export --int8-block` offers. 128 halves the scales: on a 2-vCPU Xeon (300 MiB L3,
-# AMX) its kernel ran a 73-row prefill matmul 25 % and one-row ones 13-15 % faster than 64, for a little more
-# error (docs/export.md); 256 was no faster than 128.
+# The int8 blocks `mossrt export --int8-block` offers. 128 halves the scales and the kernel's block steps again,
+# for a little more error: faster on some CPUs and not on others, and a trained checkpoint may lose more than
+# random weights do, so it is a choice, not the default. Larger blocks are not offered: they were no faster than
+# 128 where measured (docs/export.md).
 INT8_BLOCKS = (64, 128)
 INT4_BLOCK = 32
 INT8_ACCURACY_LEVEL = 4
@@ -137,7 +139,7 @@ class WeightFile:
             self._fh.write(b"\0" * pad)
             self._offset += pad
         data = array.reshape(-1).view(np.uint8)   # the array's own bytes: no copy of a multi-GB table
-        self._fh.write(data)
+        self._fh.write(data.data)
         tensor = TensorProto()
         tensor.name = name
         tensor.data_type = NP_TO_ONNX[array.dtype]
@@ -200,7 +202,7 @@ class GraphBuilder:
         return NP_TO_ONNX[self.compute_dtype]
 
     @contextlib.contextmanager
-    def computing(self, dtype: np.dtype) -> Iterator[None]:
+    def computing(self, dtype: npt.DTypeLike) -> Iterator[None]:
         """Build the nodes made inside in ``dtype`` (e.g. a float32 sampler after float16 logits: cast the
         logits with ``gb.cast(logits, TensorProto.FLOAT)`` first)."""
         outer, self.compute_dtype = self.compute_dtype, np.dtype(dtype)
@@ -209,7 +211,7 @@ class GraphBuilder:
         finally:
             self.compute_dtype = outer
 
-    def to_compute(self, x: str, dtype: np.dtype) -> str:
+    def to_compute(self, x: str, dtype: npt.DTypeLike) -> str:
         """``x`` (of numpy type ``dtype``) in the compute dtype: a Cast only where the types differ."""
         return x if np.dtype(dtype) == self.compute_dtype else self.cast(x, self.float_type)
 
@@ -284,7 +286,8 @@ class GraphBuilder:
         float32/float16: the ``[in, out]`` transpose (float16 widened by a Cast). int8: symmetric
         ``matmul_bits``-bit integers with one scale per block of :attr:`block_size` inputs of each output
         row, in the ``com.microsoft.MatMulNBits`` layout so the matmul reads the quantized weight directly
-        (one packed initializer can feed many nodes; a shared DequantizeLinear would be duplicated per consumer and re-run every call by onnxruntime).
+        (one packed initializer can feed many nodes; a shared DequantizeLinear would be duplicated per consumer
+        and re-run every call by onnxruntime).
         """
         weight = np.asarray(weight)
         if self.weight_dtype != np.int8:

@@ -27,7 +27,7 @@ import numpy as np
 from onnx import TensorProto, helper
 
 from .checkpoint import Checkpoint, CheckpointError, parse_config
-from .graph import GraphBuilder
+from .graph import Dim, GraphBuilder
 
 FLOAT, INT64, INT32, BOOL, DOUBLE = (TensorProto.FLOAT, TensorProto.INT64, TensorProto.INT32, TensorProto.BOOL,
                                      TensorProto.DOUBLE)
@@ -279,7 +279,8 @@ class Layer:
         """SwiGLU ``down(silu(gate h) * up h)`` with gate and up as one packed matmul."""
         s = self.spec
         with gb.scope(f"{self.name}.mlp"):
-            gate, up = gb.op("Split", [gb.matmul(h, self.gate_up_proj), gb.const([s.intermediate, s.intermediate], np.int64)],
+            gate_up = gb.matmul(h, self.gate_up_proj)
+            gate, up = gb.op("Split", [gate_up, gb.const([s.intermediate, s.intermediate], np.int64)],
                              n_out=2, axis=-1)
             return gb.matmul(gb.op("Mul", [gb.silu(gate), up]), self.down)
 
@@ -292,8 +293,8 @@ def kv_names(layer: int) -> tuple[str, str, str, str]:
 # ---------------------------------------------------------------------------------------------- backbone
 def build_backbone(ckpt: Checkpoint, cfg: TTSConfig, path: Path, weight_dtype, matmul_bits: int = 8,
                    compute_dtype=np.float32, block_size: int | None = None) -> GraphBuilder:
-    """grid [B, T, 17] + position_ids [B, T] + seqlens_k [B] + total_sequence_length [] + per-layer KV slots [B, KV, capacity, D]
-    → hidden [B, T, hidden] (float32).
+    """grid [B, T, 17] + position_ids [B, T] + seqlens_k [B] + total_sequence_length [] + per-layer KV slots
+    [B, KV, capacity, D] → hidden [B, T, hidden] (float32).
 
     RoPE is ``com.microsoft.RotaryEmbedding`` at the host's ``position_ids`` [B, T] (cos/sin tables of
     ``max_positions`` rows; GroupQueryAttention's own ``do_rotary`` would save one more node a layer but
@@ -301,8 +302,9 @@ def build_backbone(ckpt: Checkpoint, cfg: TTSConfig, path: Path, weight_dtype, m
     inputs would save three, but onnxruntime 1.32's CPU kernel refuses them). Attention is
     ``com.microsoft.GroupQueryAttention`` over the host's KV slots: stream ``b`` attends to its first
     ``seqlens_k[b] + 1`` rows (its past rows plus the T new ones: the host supplies ``past_len + T - 1``)
-    and the call writes the new rows' K (after q/k-norm and RoPE) and V at ``past_len..`` of ``present_*``, which the host binds to the same memory as ``past_*`` (in place: no per-step
-    copy that grows with the context). ``total_sequence_length`` is the slot capacity, a constant of the
+    and the call writes the new rows' K (after q/k-norm and RoPE) and V at ``past_len..`` of ``present_*``,
+    which the host binds to the same memory as ``past_*`` (in place: no per-step copy that grows with the
+    context). ``total_sequence_length`` is the slot capacity, a constant of the
     host's pool (no device-side reduction feeds the op's host-side shape input, and a captured graph can
     replay it). Streams with different lengths share a call when T == 1; with T > 1 the batch must be 1
     (GroupQueryAttention's rule), which is how prefills run. KV and activations are ``compute_dtype``.
@@ -314,7 +316,7 @@ def build_backbone(ckpt: Checkpoint, cfg: TTSConfig, path: Path, weight_dtype, m
     positions = gb.input("position_ids", INT64, ["batch", "rows"])
     seqlens = gb.input("seqlens_k", INT32, ["batch"])
     total = gb.input("total_sequence_length", INT32, [])
-    kv_shape = ["batch", s.kv_heads, "capacity", s.head_dim]
+    kv_shape: list[Dim] = ["batch", s.kv_heads, "capacity", s.head_dim]
 
     # 17 lookups in one: the tables stacked, each column's ids offset to its table, the rows summed over
     # the columns in column order (as upstream accumulates them)
@@ -345,6 +347,7 @@ def build_backbone(ckpt: Checkpoint, cfg: TTSConfig, path: Path, weight_dtype, m
         delta = layer.mlp(gb, h)
         gb.declare_output(ok, gb.float_type, kv_shape)
         gb.declare_output(ov, gb.float_type, kv_shape)
+    assert delta is not None, "a backbone has at least one layer"
     with gb.scope(f"{BACKBONE}.norm"):
         norm = gb.weight(f"{BACKBONE}.norm.weight", ckpt.get(f"{BACKBONE}.norm.weight"))
         hidden = gb.skip_rms_norm(x, delta, norm, s.rms_eps)[0]
@@ -568,8 +571,9 @@ def build_depth(ckpt: Checkpoint, cfg: TTSConfig, path: Path, weight_dtype, matm
         seqlens = gb.op("Split", [gb.reshape(gb.op("Add", [gb.const(np.arange(N)[:, None], np.int32), no_rows]), [-1])],
                         n_out=N, axis=0, num_outputs=N)
         # RotaryEmbedding's tables for the frame's N positions (angles in float32, as upstream)
-        rotary = tuple(gb.tensor(f"local_rotary.{n}_cache", t[:N]) for n, t in zip(("cos", "sin"),
-                                                                                  s.rope_cache(gb.compute_dtype)))
+        rotary_cos, rotary_sin = (gb.tensor(f"local_rotary.{n}_cache", t[:N])
+                                  for n, t in zip(("cos", "sin"), s.rope_cache(gb.compute_dtype)))
+        rotary = (rotary_cos, rotary_sin)
 
     layers = [DepthLayer(gb, ckpt, s, i) for i in range(s.layers)]
     final_norm = gb.weight(f"{LOCAL}.norm.weight", ckpt.get(f"{LOCAL}.norm.weight"))
@@ -585,6 +589,7 @@ def build_depth(ckpt: Checkpoint, cfg: TTSConfig, path: Path, weight_dtype, matm
                 att, caches[li] = layer.attend(gb, h, caches[li], seqlens[p], p + 1, rotary)
                 h, x = layer.post_attention(gb, x, att)
                 delta = layer.mlp(gb, h)
+            assert delta is not None, "a depth transformer has at least one layer"
             with gb.scope(f"{LOCAL}.norm"):
                 h = gb.skip_rms_norm(x, delta, final_norm, s.rms_eps)[0]
             with gb.scope(f"local_transformer.local_lm_heads.{p}"), gb.computing(np.float32):

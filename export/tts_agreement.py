@@ -98,11 +98,11 @@ def tts_agreement(ref_dir: Path, bundle_dir: Path, prefill_rows: int = 48, steps
         equal.append(other.greedy_frame(h) == want)
         row = np.concatenate([random_rows(ref.cfg, 1, rng)[:, :1], want[None]], axis=1)
         h_ref, h = ref.step(row), other.step(row)
-    equal = np.array(equal)
+    agreed = np.array(equal)                                                   # [steps, codebooks]
     return {"steps": steps, "prefill_rows": prefill_rows, "seed": seed,
             "hidden_rel_error_median": statistics.median(errors), "hidden_rel_error_max": max(errors),
-            "codes_equal": float(equal.mean()), "codebook0_equal": float(equal[:, 0].mean()),
-            "per_codebook_equal": [round(float(x), 4) for x in equal.mean(axis=0)]}
+            "codes_equal": float(agreed.mean()), "codebook0_equal": float(agreed[:, 0].mean()),
+            "per_codebook_equal": [round(float(x), 4) for x in agreed.mean(axis=0)]}
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -21,9 +21,9 @@ from .tts import (
 )
 
 # storage of large weights; compute is float32 throughout (but see int8). int8 = weight-only symmetric
-# int8 for matmul weights with a scale per block of 64 inputs (graph.INT8_BLOCK; 128 with --int8-block), as com.microsoft.MatMulNBits
-# (bits 8, accuracy_level 4: on CPU the activations are quantized to int8 per block inside the kernel);
-# embedding tables stay float16.
+# int8 for matmul weights with a scale per block of 64 inputs (graph.INT8_BLOCK; 128 with --int8-block), as
+# com.microsoft.MatMulNBits (bits 8, accuracy_level 4: on CPU the activations are quantized to int8 per block
+# inside the kernel); embedding tables stay float16.
 # int4 = the same with 4-bit weights and one scale per block of 32 input channels (MatMulNBits bits 4).
 TTS_DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16", "int8": "int8", "int4": "int8"}
 GRAPHS = {"backbone": "backbone", "depth": "depth", "sampling_filter": "sampling_filter"}

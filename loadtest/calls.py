@@ -20,10 +20,18 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Callable
 
-from websockets.asyncio.client import connect as ws_connect
 from websockets.exceptions import ConnectionClosed
 
-from .clients import RequestOptions, _end_record, _open_session, _ws_failures, elevenlabs_context, fail_record, ws_turn
+from .clients import (
+    RequestOptions,
+    _end_record,
+    _open_session,
+    _ws_failures,
+    elevenlabs_context,
+    fail_record,
+    ws_open,
+    ws_turn,
+)
 from .stats import StreamRecord
 
 FRAME_S = 0.08                   # one frame of audio
@@ -111,12 +119,10 @@ async def voice_call(transport: str, opts: RequestOptions, plan: CallPlan, call:
     if transport == "elevenlabs" and opts.api_key:
         headers["xi-api-key"] = opts.api_key
     url = opts.elevenlabs_url(rec.seed) if transport == "elevenlabs" else opts.ws_url
-    kwargs = {"additional_headers": headers, "open_timeout": opts.connect_timeout, "close_timeout": 2,
-              "max_size": None, "compression": None}
     sent, ended = None, False
     try:
         with _ws_failures(rec):
-            async with ws_connect(url, **kwargs) as ws:
+            async with ws_open(url, headers, opts) as ws:
                 rec.connect_s = time.perf_counter() - t0
                 # our WebSocket: each turn capped at talk_s of audio, unless --max-frames says otherwise
                 update = {"max_frames": plan.talk_frames, **opts.generation_params(rec.seed)}

@@ -124,8 +124,9 @@ def build_parser() -> argparse.ArgumentParser:
                                                "socket alternating a turn and a listening gap; ws, elevenlabs)")
     load.add_argument("--arrival", choices=["poisson", "fixed"], default="poisson",
                       help="with --rate (default %(default)s)")
-    load.add_argument("--requests", type=positive_int, help="requests per level (default: max(8, 2 x concurrency); 20 at a "
-                                                   "rate) unless --duration is given")
+    load.add_argument("--requests", type=positive_int,
+                      help="requests per level (default: max(8, 2 x concurrency); 20 at a rate) unless --duration "
+                           "is given")
     load.add_argument("--duration", type=positive_float, help="seconds per level during which new requests start")
     load.add_argument("--warmup", type=non_negative_int, default=1,
                       help="unmeasured requests per transport first (default %(default)s)")
@@ -148,7 +149,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--texts", help="file with one text per line (default: a built-in varied list)")
     r.add_argument("--model", default="tts-1", help="model field of every request (default %(default)s)")
     r.add_argument("--voice", help="voice name or id (default: the server's default)")
-    r.add_argument("--seed", type=_seed, default=1, help="request i of a level uses seed+i ('none': unseeded; default %(default)s)")
+    r.add_argument("--seed", type=_seed, default=1,
+                   help="request i of a level uses seed+i ('none': unseeded; default %(default)s)")
     r.add_argument("--greedy", action="store_true", help="greedy decoding")
     r.add_argument("--max-frames", type=positive_int, help="cap each response at N frames of 80 ms")
     r.add_argument("--extra-body", type=json.loads, default={}, help="JSON merged into each HTTP request body")
@@ -179,8 +181,9 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--trace-streams", type=non_negative_int, default=1,
                    help="keep every chunk's arrival time for the first N streams of each level "
                         "(default %(default)s)")
-    o.add_argument("--server-pid", type=positive_int, help="PID of a server on this machine: its CPU use per level goes in "
-                                                 "the report (host_cpu), beside the machine's and the generator's")
+    o.add_argument("--server-pid", type=positive_int,
+                   help="PID of a server on this machine: its CPU use per level goes in the report (host_cpu), "
+                        "beside the machine's and the generator's")
     o.add_argument("--quiet", action="store_true", help="no progress lines")
     return p
 

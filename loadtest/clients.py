@@ -150,16 +150,21 @@ async def http_stream(client: httpx.AsyncClient, opts: RequestOptions, rec: Stre
 
 
 # ---------------------------------------------------------------------------------------------- WebSocket
+def ws_open(url: str, headers: dict[str, str], opts: RequestOptions) -> ws_connect:
+    """The WebSocket connection every stream of the generator opens (``async with``): its request headers, the
+    connect timeout of ``opts``, no cap on a message's size and no compression."""
+    return ws_connect(url, additional_headers=headers, open_timeout=opts.connect_timeout, close_timeout=2,
+                      max_size=None, compression=None)
+
+
 async def ws_stream(opts: RequestOptions, rec: StreamRecord, text: str) -> None:
     """One session, one turn: session.update, the text as paced deltas, input.done, audio until response.done."""
     t0 = time.perf_counter()
     sent = None
     rec.begin_audio(opts.prebuffer_s, rec.index < opts.trace_streams)
-    kwargs = {"additional_headers": opts.request_headers(rec), "open_timeout": opts.connect_timeout,
-              "close_timeout": 2, "max_size": None, "compression": None}
     try:
         with _ws_failures(rec):
-            async with ws_connect(opts.ws_url, **kwargs) as ws:
+            async with ws_open(opts.ws_url, opts.request_headers(rec), opts) as ws:
                 if not await _open_session(ws, rec, t0, opts.generation_params(rec.seed)):
                     return
                 sent = time.perf_counter()
@@ -208,11 +213,9 @@ async def elevenlabs_stream(opts: RequestOptions, rec: StreamRecord, text: str) 
     headers = opts.request_headers(rec)
     if opts.api_key:
         headers["xi-api-key"] = opts.api_key
-    kwargs = {"additional_headers": headers, "open_timeout": opts.connect_timeout, "close_timeout": 2,
-              "max_size": None, "compression": None}
     try:
         with _ws_failures(rec):
-            async with ws_connect(opts.elevenlabs_url(rec.seed), **kwargs) as ws:
+            async with ws_open(opts.elevenlabs_url(rec.seed), headers, opts) as ws:
                 rec.connect_s = time.perf_counter() - t0
                 await ws.send(json.dumps({"text": " ", "context_id": "c"}))
                 sent = time.perf_counter()
@@ -349,8 +352,9 @@ def _ws_error(rec: StreamRecord, msg: dict) -> bool:
 
 async def _receive_turn(ws, rec: StreamRecord, sent: float, sender: asyncio.Task) -> None:
     while True:
-        if sender.done() and sender.exception() is not None and not isinstance(sender.exception(), ConnectionClosed):
-            raise sender.exception()
+        failed = sender.exception() if sender.done() else None
+        if failed is not None and not isinstance(failed, ConnectionClosed):
+            raise failed
         msg = await ws.recv()
         now = time.perf_counter()
         if isinstance(msg, (bytes, bytearray, memoryview)):

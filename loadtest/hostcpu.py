@@ -43,10 +43,13 @@ class CpuMeter:
         wall = time.perf_counter() - self.t0
         if self.machine0 is None or wall < 1.0:          # /proc/stat counts in ticks: too coarse below ~1 s
             return {}
-        machine = (_machine_busy() - self.machine0) / wall
-        client = (_process_cpu("self") - self.client0) / wall
+        machine_now, client_now = _machine_busy(), _process_cpu("self")
+        if machine_now is None or client_now is None or self.client0 is None:   # a /proc read failed
+            return {}
+        machine = (machine_now - self.machine0) / wall
+        client = (client_now - self.client0) / wall
         out = {"cpus": os.cpu_count(), "busy_cores": round(machine, 2), "client_cores": round(client, 2)}
-        if self.server0 is not None:
+        if self.server0 is not None and self.server_pid is not None:      # server0 is read only with a pid
             server_now = _process_cpu(self.server_pid)
             if server_now is not None:
                 server = (server_now - self.server0) / wall

@@ -71,8 +71,8 @@ def make_plots(report: dict, out: Path) -> list[str]:
     for ax in axes[0]:
         ax.set_ylabel("time to first audio (ms)")
         ax.set_ylim(bottom=0)
-    fig.suptitle(f"Time to first audio per level (box: quartiles and median; whiskers: the data within p1-p99; dots: streams){where}",
-                 fontsize=10)
+    fig.suptitle("Time to first audio per level (box: quartiles and median; whiskers: the data within p1-p99; "
+                 f"dots: streams){where}", fontsize=10)
     fig.tight_layout()
     written.append(_save(fig, out / "ttfa_distribution.png", plt))
 
@@ -120,9 +120,9 @@ def make_plots(report: dict, out: Path) -> list[str]:
         rows = [s for s in levels if s["transport"] == transport]
         a1.plot([s["level"] for s in rows], [s["throughput_audio_s_per_s"] or 0 for s in rows], "-o", color=c,
                 label=transport)
-        idx = [all_levels.index(s["level"]) + (ti - (len(transports) - 1) / 2) * width for s in rows]
+        bar_x = [all_levels.index(s["level"]) + (ti - (len(transports) - 1) / 2) * width for s in rows]
         for k, (key, hatch) in enumerate((("rejected_429", ""), ("errors", "//"), ("streams_with_underruns", ".."))):
-            a2.bar([i + (k - 1) * width / 3 for i in idx], [s[key] for s in rows], width / 3, color=c, hatch=hatch,
+            a2.bar([x + (k - 1) * width / 3 for x in bar_x], [s[key] for s in rows], width / 3, color=c, hatch=hatch,
                    edgecolor="black", lw=0.5, label=f"{transport}: {key.replace('_', ' ')}")
     _x_axis(a1, mode, all_levels)
     a1.set_ylabel("audio seconds generated per wall second")

@@ -67,11 +67,18 @@ class Runner:
         self.deadline_hit = False
         self.client: httpx.AsyncClient | None = None
 
+    @property
+    def http(self) -> httpx.AsyncClient:
+        """The run's HTTP client: :meth:`run` opens it before any request."""
+        if self.client is None:
+            raise RuntimeError("the runner's HTTP client is opened by run()")
+        return self.client
+
     # ------------------------------------------------------------------ server probes (never fatal)
     async def ready(self) -> dict:
         try:
-            r = await self.client.get(self.cfg.opts.base_url.rstrip("/") + "/ready",
-                                      headers=self.cfg.opts.request_headers(), timeout=5)
+            r = await self.http.get(self.cfg.opts.base_url.rstrip("/") + "/ready",
+                                    headers=self.cfg.opts.request_headers(), timeout=5)
             try:
                 body = r.json()
             except ValueError:
@@ -82,8 +89,8 @@ class Runner:
 
     async def metrics(self) -> dict:
         try:
-            r = await self.client.get(self.cfg.opts.base_url.rstrip("/") + "/metrics",
-                                      headers=self.cfg.opts.request_headers(), timeout=10)
+            r = await self.http.get(self.cfg.opts.base_url.rstrip("/") + "/metrics",
+                                    headers=self.cfg.opts.request_headers(), timeout=10)
             if r.status_code != 200:
                 return {"http_status": r.status_code, "samples": {}}
             return {"http_status": 200, "samples": promtext.parse(r.text)}
@@ -126,7 +133,7 @@ class Runner:
                            start_s=round(started - level_t0, 4))
         records.append(rec)
         try:
-            coro = (http_stream(self.client, cfg.opts, rec, text) if transport == "http"
+            coro = (http_stream(self.http, cfg.opts, rec, text) if transport == "http"
                     else elevenlabs_stream(cfg.opts, rec, text) if transport == "elevenlabs"
                     else ws_stream(cfg.opts, rec, text))
             await asyncio.wait_for(coro, cfg.request_timeout)

@@ -44,7 +44,7 @@ class Playback:
         self.stall_s = 0.0
 
     def chunk(self, t: float, seconds: float) -> None:
-        if self.start is None:
+        if self.start is None or self.end is None:      # the first chunk (start and end are set together)
             self.start = t + self.prebuffer_s
             self.end = self.start + seconds
             return
@@ -97,7 +97,9 @@ class StreamRecord:
     # ---------------------------------------------------------------- filled as the stream runs
     def begin_audio(self, prebuffer_s: float, trace: bool = False) -> None:
         self._player = Playback(prebuffer_s)
-        self._first = self._last = self._last_delivery = None
+        self._first: float | None = None
+        self._last: float | None = None
+        self._last_delivery: float | None = None
         if trace:
             self.trace = []
 
@@ -105,7 +107,7 @@ class StreamRecord:
         if nbytes <= 0:
             return
         seconds = nbytes / BYTES_PER_SECOND
-        if self._first is None:
+        if self._first is None or self._last is None or self._last_delivery is None:   # the first audio: all three
             self._first = self._last_delivery = t
             self.ttfa_s = t - sent
             self.deliveries = 1
@@ -134,7 +136,7 @@ class StreamRecord:
         if player is not None:
             self.underruns, self.stall_s = player.underruns, round(player.stall_s, 4)
         first, last = getattr(self, "_first", None), getattr(self, "_last", None)
-        if self.audio_s > 0 and first is not None:
+        if self.audio_s > 0 and first is not None and last is not None:     # set together, at the first audio
             self.stream_rtf = (last - first) / self.audio_s
             self.gen_rtf = (last - sent) / self.audio_s
         if self.gaps:
@@ -155,7 +157,7 @@ class StreamRecord:
 def pct(values, qs=(50, 90, 99)) -> dict:
     """Percentiles (linear interpolation) plus n, mean and max; empty -> Nones."""
     vals = [v for v in values if v is not None and not (isinstance(v, float) and math.isnan(v))]
-    out = {"n": len(vals)}
+    out: dict[str, float | None] = {"n": len(vals)}
     for q in qs:
         out[f"p{q}"] = float(np.percentile(vals, q)) if vals else None
     out["mean"] = float(np.mean(vals)) if vals else None

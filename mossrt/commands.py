@@ -66,7 +66,9 @@ def cmd_export(args) -> None:
         parse_codec_config(Checkpoint(codec_dir).config)
     if model_dir:
         parse_tts_config(Checkpoint(model_dir).config)
-    tokenizer = find_tokenizer(resolve_checkpoint(args.tokenizer) if args.tokenizer else model_dir) if model_dir else None
+    tokenizer = None
+    if model_dir:
+        tokenizer = find_tokenizer(resolve_checkpoint(args.tokenizer) if args.tokenizer else model_dir)
     codec_dtype = args.codec_dtype or (args.dtype if args.dtype in ("fp32", "fp16") else "fp32")
     int8_block = getattr(args, "int8_block", None)
     if int8_block is not None and not ((model_dir and args.dtype == "int8") or (codec_dir and codec_dtype == "int8")):
@@ -81,6 +83,7 @@ def cmd_export(args) -> None:
 
         export_tts(model_dir, writer, args.dtype, progress, progress_bar=True,
                    compute_dtype=getattr(args, "compute_dtype", "fp32"), int8_block=int8_block)
+        assert tokenizer is not None, "found with the model's directory"
         export_tokenizer(tokenizer, writer)
     path = writer.finish()
     progress(f"bundle written: {path.parent}")
@@ -283,7 +286,9 @@ def cmd_replay(args) -> None:
             np.save(out_dir / f"turn{i}_codes.npy", codes)
             write_audio(out_dir / f"turn{i}.wav", wav, model.codec.sample_rate)
             st = result.stats
-            progress(f"turn {i}: {st.text_ids} text ids, {codes.shape[0]} frames ({wav.size / model.codec.sample_rate:.2f} s), "
+            assert st is not None and st.finish_reason is not None, "a run turn has its stats and its end"
+            seconds = wav.size / model.codec.sample_rate
+            progress(f"turn {i}: {st.text_ids} text ids, {codes.shape[0]} frames ({seconds:.2f} s), "
                      f"finished by {st.finish_reason.value}, context {session.context_rows} rows")
     finally:
         session.close()
@@ -443,5 +448,6 @@ def cmd_demo(args) -> None:
     gen = generate(model, text=args.text, seed=0, max_frames=args.max_frames)
     wav = synthesize(model, gen)
     write_audio(target, wav, model.codec.sample_rate)
-    print(f"demo bundle {bundle_dir}: synthesized {gen.codes.shape[0]} frames ({wav.size / model.codec.sample_rate:.2f} s) "
+    seconds = wav.size / model.codec.sample_rate
+    print(f"demo bundle {bundle_dir}: synthesized {gen.codes.shape[0]} frames ({seconds:.2f} s) "
           f"of {args.text!r} -> {target.path} (random weights: expect noise, not speech)")

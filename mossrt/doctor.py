@@ -221,9 +221,8 @@ def check_kernels(device: str, bundle=None, registry_out=None) -> dict:
         figures["registry_written"] = str(registry_out)
     claimed = {k: d for k, d in diff.items() if d["table_only"] or not d["in_registry"]}
     if claimed:
-        raise CheckFailed(f"the committed {device} table claims kernels the installed registry lacks: "
-                          + "; ".join(f"{k} {d['table_only'] or 'not registered'}" for k, d in list(claimed.items())[:8]),
-                          figures)
+        named = "; ".join(f"{k} {d['table_only'] or 'not registered'}" for k, d in list(claimed.items())[:8])
+        raise CheckFailed(f"the committed {device} table claims kernels the installed registry lacks: {named}", figures)
     return figures
 
 
@@ -495,12 +494,14 @@ def _gather_nd_batch_dims_2(device: str) -> dict:
                                   helper.make_tensor_value_info("index", TensorProto.INT64, [6, 1, 1])],
                          [helper.make_tensor_value_info("out", TensorProto.INT64, [6, 1])])
     (got,), (ref,) = _probe(device, model, {"data": data, "index": index})
-    return {"ok": bool(np.array_equal(got, ref) and np.array_equal(ref, np.take_along_axis(data[:, 0], index[:, 0], 1)))}
+    expected = np.take_along_axis(data[:, 0], index[:, 0], 1)
+    return {"ok": bool(np.array_equal(got, ref) and np.array_equal(ref, expected))}
 
 
 def _rings_in_place(device: str) -> dict:
-    """The codec's ring writes (engine.audio.rings.RingState: ScatterND into the ring bound as its own output) on the
-    device and on the CPU, the same calls on each: the rings must end byte-identical, at the same address."""
+    """The codec's ring writes (engine.audio.rings.RingState: ScatterND into the ring bound as its own output)
+    on the device and on the CPU, the same calls on each: the rings must end byte-identical, at the same
+    address."""
     from engine.audio.rings import RingStage, RingState
 
     stages = [RingStage(layers=2, heads=2, head_dim=4, rows=6, tokens_per_frame=2),
@@ -519,6 +520,7 @@ def _rings_in_place(device: str) -> dict:
         for (n, frames), values in zip(calls, presents):
             state.prepare(n, 3)
             for si, present in enumerate(state._presents):
+                assert present is not None, "prepare() made every stage's buffer"
                 host = np.zeros(present.shape, np.float32)
                 host[: values[si].size] = values[si]
                 present.value.update_inplace(host)

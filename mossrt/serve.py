@@ -199,7 +199,8 @@ def add_serve_parser(sub) -> None:
             kw["type"] = int_in(lo if lo is not None else -(1 << 62), hi if hi is not None else 1 << 62)
         elif kind is float:
             kw["type"] = finite_float
-        metavar = (info.json_schema_extra or {}).get("metavar")
+        extra = info.json_schema_extra if isinstance(info.json_schema_extra, dict) else {}
+        metavar = extra.get("metavar")
         if metavar:
             kw["metavar"] = metavar
         default = info.default if info.default not in (None, []) else "unset"

@@ -142,7 +142,8 @@ def test_ten_conversations_of_two_turns_share_two_slots(two_slots):
             for _ in range(2):
                 assert await client.turn(SHORT)
                 done += 1
-                await asyncio.sleep(3.0 + 0.2 * i)   # the caller listens 3-5 s (the gaps), the socket stays open
+                # the caller listens 3-5 s (the gaps), the socket stays open
+                await asyncio.sleep(3.0 + 0.2 * i)
             return done
         finally:
             await client.w.close()
@@ -156,7 +157,8 @@ def test_ten_conversations_of_two_turns_share_two_slots(two_slots):
 @pytest.fixture(scope="module")
 def one_slot(full_bundle_dir, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("capacity_exact")
-    with Server(full_bundle_dir, tmp / "voices", tmp / "server.log", "--max-streams", "1", "--queue-timeout", "30") as s:
+    with Server(full_bundle_dir, tmp / "voices", tmp / "server.log",
+                "--max-streams", "1", "--queue-timeout", "30") as s:
         yield s
 
 

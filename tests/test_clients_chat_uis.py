@@ -4,8 +4,9 @@ sends, headers included, and reads the answer as they do (docs/clients.md).
 
 - SillyTavern (``public/scripts/extensions/tts/openai-compatible.js`` and the ``/api/openai/custom/generate-voice``
   proxy of ``src/endpoints/openai.js``): POSTs to the "Provider Endpoint" as entered, ``Authorization: Bearer
-  <key>`` (``Bearer`` with no key: fetch trims the value's trailing space), ``{input, response_format: "mp3", voice, speed, model}``; the voices are
-  the "Available Voices" typed in (default: OpenAI's six), the speed a slider of 0.25..4; the answer is read
+  <key>`` (``Bearer`` with no key: fetch trims the value's trailing space), ``{input, response_format: "mp3",
+  voice, speed, model}``; the voices are the "Available Voices" typed in (default: OpenAI's six), the speed a
+  slider of 0.25..4; the answer is read
   whole and played as ``audio/mpeg``.
 - LibreChat (``api/server/services/Files/Audio/TTSService.js``, ``speech.tts.openai`` of librechat.yaml):
   POSTs to ``url`` ``{input, model, voice}``, ``Authorization: Bearer <apiKey>`` (the string ``undefined``
@@ -46,7 +47,8 @@ def mp3_seconds(data: bytes) -> float:
 
 def sillytavern(server, voice: str, key: str | None, speed: float = 1, model: str = "tts-1") -> httpx.Response:
     return httpx.post(server.base + "/v1/audio/speech", timeout=180,
-                      headers={"Content-Type": "application/json", "Authorization": f"Bearer {key}" if key else "Bearer"},
+                      headers={"Content-Type": "application/json",
+                               "Authorization": f"Bearer {key}" if key else "Bearer"},
                       json={"input": PREVIEW, "response_format": "mp3", "voice": voice, "speed": speed,
                             "model": model})
 

@@ -165,7 +165,8 @@ def test_sharded_bf16_checkpoint_exports(tmp_path):
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()
     shutil.copy(GOLDEN / "checkpoints/codec/config.json", ckpt)
-    tensors = {k: v.astype(ml_dtypes.bfloat16) for k, v in load_file(GOLDEN / "checkpoints/codec/model.safetensors").items()}
+    tensors = {k: v.astype(ml_dtypes.bfloat16)
+               for k, v in load_file(GOLDEN / "checkpoints/codec/model.safetensors").items()}
     names = sorted(tensors)
     half = len(names) // 2
     save_file({k: tensors[k] for k in names[:half]}, ckpt / "a.safetensors")
@@ -241,7 +242,8 @@ def test_cli_usage_errors(codec_bundle_dir, tmp_path):
          "threads"),
         (("codec", "decode", "--bundle", codec_bundle_dir, tmp_path / "c.npy", tmp_path / "o.wav", "--schedule", "1,x"),
          "--schedule"),
-        (("codec", "decode", "--bundle", codec_bundle_dir, tmp_path / "nope.npy", tmp_path / "o.wav"), "not a readable"),
+        (("codec", "decode", "--bundle", codec_bundle_dir, tmp_path / "nope.npy", tmp_path / "o.wav"),
+         "not a readable"),
     ]
     for args, message in cases:
         proc = mossrt(*args, check=False)

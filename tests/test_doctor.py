@@ -65,7 +65,8 @@ def test_kernel_diff_names_what_the_table_claims_beyond_the_registry():
     key = "TopK@ai.onnx"
     # a table claiming bfloat16 TopK the registry lacks, and a registry with a type the table omits
     claim = replace(committed, ops={**committed.ops, key: OpKernels(
-        committed.ops[key].kernels + (Kernel(11, 2147483647, {"T": frozenset({"bfloat16"}), "I": frozenset({"int64"})}),),
+        committed.ops[key].kernels
+        + (Kernel(11, 2147483647, {"T": frozenset({"bfloat16"}), "I": frozenset({"int64"})}),),
         committed.ops[key].host_inputs)})
     diff = coverage_diff(claim, registry, doctor.GRAPH_OPSETS)
     assert diff == {key: {"opset": 18, "table_only": {"T": ["bfloat16"]}, "registry_only": {}, "in_registry": True}}

@@ -98,7 +98,8 @@ def test_sharded_bf16_tts_checkpoint(tmp_path):
     ckpt = tmp_path / "tts"
     ckpt.mkdir()
     shutil.copy(GOLDEN / "checkpoints/tts/config.json", ckpt)
-    tensors = {k: v.astype(ml_dtypes.bfloat16) for k, v in load_file(GOLDEN / "checkpoints/tts/model.safetensors").items()}
+    tensors = {k: v.astype(ml_dtypes.bfloat16)
+               for k, v in load_file(GOLDEN / "checkpoints/tts/model.safetensors").items()}
     names = sorted(tensors)
     shards = {f"model-0000{i + 1}-of-00003.safetensors": names[i::3] for i in range(3)}
     for fname, part in shards.items():

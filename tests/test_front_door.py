@@ -227,8 +227,9 @@ def test_bodies_are_bounded_and_keys_checked_before_reading(full_bundle_dir, tmp
 
 def test_waiting_for_a_slot_holds_no_thread(full_bundle_dir, tmp_path):
     """One slot, held by a turn in progress (a WebSocket turn waiting for more text: an HTTP stream whose
-    generation has ended would rightly give its slot up); 60 requests wait for it — more than the 40 threads of the server's pool, and all of them
-    in the queue at once (the gauge reads 60) — while a route that needs a pool thread (the voice list) answers
+    generation has ended would rightly give its slot up); 60 requests wait for it — more than the 40 threads of
+    the server's pool, and all of them in the queue at once (the gauge reads 60) — while a route that needs a
+    pool thread (the voice list) answers
     with every one of them still waiting (the gauge reads 60 after its answer); each then gets the 429
     ``no_capacity`` once the queue timeout has passed since it arrived, and the server counts 60 429s. (Where a
     waiting request held a pool thread, at most 40 could wait and the voice list waited for the 429s.) Events

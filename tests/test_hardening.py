@@ -166,7 +166,8 @@ def test_bad_outputs_fail_before_any_work(capsys, tmp_path, full_bundle_dir):
 
 def test_codec_encode_names_the_file_it_wrote(capsys, tmp_path, codec_bundle_dir):
     sf.write(tmp_path / "in.wav", golden("codec/codec_short.npz")["wav"], 24000)
-    code, _, err = run_cli(capsys, "codec", "encode", "--bundle", codec_bundle_dir, tmp_path / "in.wav", tmp_path / "out")
+    code, _, err = run_cli(capsys, "codec", "encode", "--bundle", codec_bundle_dir, tmp_path / "in.wav",
+                           tmp_path / "out")
     assert code == 0 and f"-> {tmp_path / 'out.npy'}" in err and (tmp_path / "out.npy").is_file()
 
 
@@ -424,8 +425,10 @@ def test_cli_fuzz_never_tracebacks(capsys, tmp_path, full_bundle_dir, codec_bund
         if name.startswith("codec"):
             argv += [rng.choice(paths), rng.choice(paths)]
         if name == "replay":
-            argv.append(rng.choice([str(files["script"]), str(files["badscript"]), str(files["junk"]), str(files["missing"])]))
-        chosen = [f for f in required if rng.random() < 0.93] + rng.sample(optional, rng.randint(0, min(4, len(optional))))
+            argv.append(rng.choice([str(files["script"]), str(files["badscript"]), str(files["junk"]),
+                                    str(files["missing"])]))
+        chosen = ([f for f in required if rng.random() < 0.93]
+                  + rng.sample(optional, rng.randint(0, min(4, len(optional)))))
         for flag in chosen:
             if flag in ("--greedy", "--allow-special-tokens", "--pcm16"):
                 argv.append(flag)

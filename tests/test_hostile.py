@@ -248,7 +248,8 @@ def test_a_body_sent_a_byte_at_a_time_is_cut_at_the_body_timeout_and_its_connect
     assert head.startswith(b"HTTP/1.1 408 "), answer[:300]
     assert b"connection: close" in head.lower(), head
     error = json.loads(body)      # in the route's own shape: ElevenLabs' on its routes
-    assert (error["detail"]["status"] if "text-to-speech" in path else error["error"]["code"]) == "request_timeout", error
+    assert (error["detail"]["status"] if "text-to-speech" in path
+            else error["error"]["code"]) == "request_timeout", error
     wait_for(lambda: server_sockets(server) <= before, 30, "the connection's socket freed in the server")
 
 

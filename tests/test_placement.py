@@ -240,9 +240,11 @@ def test_device_choice_never_falls_back_silently(tts_bundle_dir):
     bf16 = lambda p: unplaced(_one_op("MatMul", TensorProto.BFLOAT16), p)                           # noqa: E731
     # forced CUDA with an fp32 bundle: refused by the check, before asking whether CUDA is even installed
     for available in (CPU_ONLY, WITH_CUDA):
-        with pytest.raises(PlacementRefused, match=r"GroupQueryAttention.*export with --compute-dtype bf16 \(or fp16\)"):
+        with pytest.raises(PlacementRefused,
+                           match=r"GroupQueryAttention.*export with --compute-dtype bf16 \(or fp16\)"):
             choose_device("cuda", available, fp32)
-    with pytest.raises(PlacementRefused, match="bf16 bundles run on CUDA only; export with --compute-dtype fp16 or fp32"):
+    with pytest.raises(PlacementRefused,
+                       match="bf16 bundles run on CUDA only; export with --compute-dtype fp16 or fp32"):
         choose_device("cpu", WITH_CUDA, bf16)
     with pytest.raises(PlacementRefused, match="install the 'cuda' extra"):
         choose_device("cuda", CPU_ONLY, bf16)

@@ -58,10 +58,12 @@ def test_live_metrics_follow_the_naming_conventions(promtool, full_bundle_dir, t
         fresh = httpx.get(server.base + "/metrics", timeout=10).text
         # the series the SLOs divide by exist at 0 before any request (no rate from a counter's first sample)
         for series in ('mossrt_requests_total{endpoint="/v1/audio/speech",status="429"} 0.0',
-                       'mossrt_requests_total{endpoint="/v1/text-to-speech/{voice_id}/multi-stream-input",status="500"} 0.0',
+                       'mossrt_requests_total{endpoint="/v1/text-to-speech/{voice_id}/multi-stream-input",'
+                       'status="500"} 0.0',
                        'mossrt_stalled_streams_total{transport="ws"} 0.0'):
             assert series in fresh, series
-        r = httpx.post(server.base + "/v1/audio/speech", json={"model": "tts-1", "input": TEXT, "voice": "alloy", "response_format": "pcm"}, timeout=120)
+        r = httpx.post(server.base + "/v1/audio/speech",
+                       json={"model": "tts-1", "input": TEXT, "voice": "alloy", "response_format": "pcm"}, timeout=120)
         assert r.status_code == 200
         r = httpx.post(server.base + "/v1/text-to-speech/default/with-timestamps?output_format=pcm_24000",
                        json={"text": TEXT}, timeout=120)

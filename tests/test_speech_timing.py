@@ -141,7 +141,8 @@ def test_against_espeak_speech_with_known_word_times(espeak, tmp_path):
     """English at espeak-ng's 175 words a minute (18 characters/s, faster than the prior) and Mandarin at
     5.5 characters/s: word starts within a few hundred ms, errors that lean late, barely a word claimed before
     it is heard at any cut; the read clock, on the same audio, seconds early and over a dozen words claimed."""
-    figures = run_eval(tmp_path, "--voices", "en", "--wpm", "175") | run_eval(tmp_path, "--voices", "cmn", "--wpm", "350")
+    figures = (run_eval(tmp_path, "--voices", "en", "--wpm", "175")
+               | run_eval(tmp_path, "--voices", "cmn", "--wpm", "350"))
     en, cmn = figures["en", 175, "streamed"], figures["cmn", 350, "streamed"]
     for f in (en, cmn):
         assert f["median_abs_ms"] < 300 and f["p90_abs_ms"] < 900, f

@@ -75,7 +75,8 @@ BAD_JSON = {"a 5,000-digit integer": b'{"text": "hi", "seed": ' + b"9" * 5000 + 
             "100,000-deep arrays": b"[" * 100_000 + b"]" * 100_000,
             "50,000-deep objects": b'{"a":' * 50_000 + b"1" + b"}" * 50_000}
 # within the bounded server's 64 KiB WebSocket messages
-BAD_JSON_WS = {"a 5,000-digit integer": BAD_JSON["a 5,000-digit integer"], "30,000-deep arrays": b"[" * 30_000 + b"]" * 30_000,
+BAD_JSON_WS = {"a 5,000-digit integer": BAD_JSON["a 5,000-digit integer"],
+               "30,000-deep arrays": b"[" * 30_000 + b"]" * 30_000,
                "10,000-deep objects": b'{"a":' * 10_000 + b"1" + b"}" * 10_000}
 
 
@@ -787,7 +788,8 @@ def test_malformed_json_gets_the_routes_own_error(server, name):
         for what, raw in {**BAD_JSON, "invalid UTF-8": b'{"text": "\xff\xfe"}'}.items():
             r = httpx.post(server.base + t.path, content=raw, headers={"content-type": "application/json", **AUTH},
                            timeout=30)
-            assert r.status_code == 400 and t.error_code(r.json()) == "invalid_json", (what, r.status_code, r.text[:300])
+            assert r.status_code == 400 and t.error_code(r.json()) == "invalid_json", \
+                (what, r.status_code, r.text[:300])
         return
 
     async def malformed():
@@ -868,7 +870,8 @@ def test_sigterm_drains_every_transport(demo_bundle_dir, tmp_path):
                         await w.send(m)
                     final = (lambda m: isinstance(m, dict) and m.get("type") == "response.done") if t.ours else \
                         (lambda m: isinstance(m, dict) and m.get("isFinal"))
-                    got = await ws_messages(w, lambda m: isinstance(m, bytes) or (isinstance(m, dict) and m.get("audio")))
+                    got = await ws_messages(w, lambda m: isinstance(m, bytes)
+                                            or (isinstance(m, dict) and m.get("audio")))
                     await asyncio.to_thread(first.wait)
                     got += await ws_messages(w, final, timeout=360)
                     return got[-1]
@@ -1163,4 +1166,5 @@ def _wyoming_streaming_across(server, text: str, first: threading.Barrier) -> li
 def test_the_counts_say_how_each_request_ended(server):
     """(A guard on the suite itself: the requests above were counted under their route templates.)"""
     counted = requests_counted(server)
-    assert any(endpoint == "/v1/text-to-speech/{voice_id}/stream" and n for (endpoint, _), n in counted.items()), counted
+    assert any(endpoint == "/v1/text-to-speech/{voice_id}/stream" and n
+               for (endpoint, _), n in counted.items()), counted

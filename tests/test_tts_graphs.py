@@ -680,7 +680,8 @@ def test_fixtures_are_local():
         entry = entries[path.relative_to(GOLDEN).as_posix()]
         assert hashlib.sha256(path.read_bytes()).hexdigest() == entry["sha256"], path
     tok = json.loads(TOKENIZER_JSON.read_text())
-    assert tok["added_tokens"][11]["content"] == "<|audio_pad|>" and tok["added_tokens"][12]["content"] == "<|text_pad|>"
+    assert (tok["added_tokens"][11]["content"] == "<|audio_pad|>"
+            and tok["added_tokens"][12]["content"] == "<|text_pad|>")
     shared = "/".join(("..", "shared"))   # spelled apart so this file does not match itself
     for source in tests.glob("*.py"):
         assert shared not in source.read_text(), source
@@ -696,7 +697,8 @@ def test_fp16_compute_on_cpu(tts_bundle_dir, tts_bundle_for):
     fp16_dir = tts_bundle_for("fp16", "fp16")
     manifest = json.loads((fp16_dir / "manifest.json").read_text())
     assert manifest["tts"]["compute_dtype"] == "fp16"
-    bb = {v["name"]: v["dtype"] for v in manifest["graphs"]["backbone"]["inputs"] + manifest["graphs"]["backbone"]["outputs"]}
+    bb = {v["name"]: v["dtype"]
+          for v in manifest["graphs"]["backbone"]["inputs"] + manifest["graphs"]["backbone"]["outputs"]}
     assert bb["past_key.0"] == bb["present_value.1"] == "float16" and bb["hidden"] == "float32"
     model = onnx.load(str(fp16_dir / "backbone.onnx"), load_external_data=False)
     assert not [n.name for n in model.graph.node if n.op_type == "Cast"][1:], "only the hidden output is cast"
@@ -718,7 +720,8 @@ def test_fp16_depth_keeps_a_float32_sampler(tts_bundle_dir, tts_bundle_for):
 
     fp16_dir = tts_bundle_for("fp16", "fp16")
     manifest = json.loads((fp16_dir / "manifest.json").read_text())["graphs"]["depth"]
-    assert {v["dtype"] for v in manifest["inputs"] + manifest["outputs"] if v["name"] in ("hidden", "logits")} == {"float32"}
+    assert {v["dtype"] for v in manifest["inputs"] + manifest["outputs"]
+            if v["name"] in ("hidden", "logits")} == {"float32"}
     graph = onnx.load(str(fp16_dir / "depth.onnx"), load_external_data=False).graph
     casts = [n for n in graph.node if n.op_type == "Cast" and n.attribute[0].i == onnx.TensorProto.FLOAT]
     assert len([n for n in casts if "local_lm_heads" in n.name]) == 16          # one per head, nothing else
@@ -730,13 +733,16 @@ def test_fp16_depth_keeps_a_float32_sampler(tts_bundle_dir, tts_bundle_for):
             raw, hidden = gd[f"{rep}_raw_frames"], gd[f"{rep}_step_hidden"]
             for f in range(len(raw)):
                 hist = history_of(list(raw[:f]), penalty)
-                (c32, l32), (c16, l16) = g32.frame(hidden[f][None], hist, penalty), g16.frame(hidden[f][None], hist, penalty)
+                (c32, l32), (c16, l16) = (g32.frame(hidden[f][None], hist, penalty),
+                                          g16.frame(hidden[f][None], hist, penalty))
                 same_inputs = np.concatenate([[True], np.cumprod(c32[0] == c16[0])[:-1] > 0])
-                rel += list(np.linalg.norm(l16[0] - l32[0], axis=-1)[same_inputs] / np.linalg.norm(l32[0], axis=-1)[same_inputs])
+                rel += list(np.linalg.norm(l16[0] - l32[0], axis=-1)[same_inputs]
+                            / np.linalg.norm(l32[0], axis=-1)[same_inputs])
                 agree += c32[0] == c16[0]
                 frames += 1
-    print(f"fp16 depth vs fp32: logits relative error median {np.median(rel):.2e} max {np.max(rel):.2e}; code agreement "
-          f"per codebook {' '.join(f'{a / frames:.0%}' for a in agree)} (all {agree.sum() / agree.size / frames:.2%})")
+    print(f"fp16 depth vs fp32: logits relative error median {np.median(rel):.2e} max {np.max(rel):.2e}; "
+          f"code agreement per codebook {' '.join(f'{a / frames:.0%}' for a in agree)} "
+          f"(all {agree.sum() / agree.size / frames:.2%})")
     assert np.median(rel) < 3e-3 and np.max(rel) < 2e-2
     assert agree.sum() / (16 * frames) >= 0.95 and agree[0] / frames >= 0.97
 

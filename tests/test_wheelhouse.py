@@ -438,7 +438,8 @@ def test_real_provider_library_strips_to_sm90(tmp_path, cuobjdump):
     extract(original, tmp_path / "a")
     extract(stripped, tmp_path / "b")
     digests = lambda d: sorted(hashlib.sha256(f.read_bytes()).hexdigest() for f in d.glob("*.cubin"))
-    assert digests(tmp_path / "a") == digests(tmp_path / "b") and len(digests(tmp_path / "a")) == report.entries_kept - report.containers_untouched
+    assert digests(tmp_path / "a") == digests(tmp_path / "b") \
+        and len(digests(tmp_path / "a")) == report.entries_kept - report.containers_untouched
     print(f"stripped {report.bytes} bytes: kept {report.kept_bytes_by_arch}, removed {report.removed_bytes_by_arch}; "
           f"original sha256 {report.original_sha256}")
 
@@ -467,7 +468,8 @@ home = None
 root = None
 prefix = None
 """
-PIP_23_2_FAILURE = LOCATION_WARNING * 3 + """ERROR: Ignored the following versions that require a different python version: 1.3.3 Requires-Python >=3.12
+PIP_23_2_FAILURE = LOCATION_WARNING * 3 + ("ERROR: Ignored the following versions that require a different python "
+                                           """version: 1.3.3 Requires-Python >=3.12
 ERROR: Cannot install mossrt[cuda]==0.1.0 because these package versions have conflicting dependencies.
 
 The conflict is caused by:
@@ -480,7 +482,7 @@ To fix this you could try to:
 
 ERROR: ResolutionImpossible: for help visit https://pip.pypa.io/en/latest/topics/dependency-resolution/#dealing-with-dependency-conflicts
 ERROR: Package 'newpy' requires a different Python: 3.11.7 not in '>=3.12'
-""" + LOCATION_WARNING * 3
+""") + LOCATION_WARNING * 3
 
 
 def test_a_failed_pip_shows_why_not_its_location_warnings():

@@ -47,7 +47,7 @@ HOP_S, SMOOTH, RISE_DB, NUCLEUS_RANGE_DB = 0.01, 5, 3.0, 25.0
 RATE_BOUNDS = (0.6, 1.7)               # the fitted rate, as a multiple of the prior
 TRUST_S = 1.0                          # speech heard before the syllable count weighs as much as the prior
 ALPHABETIC_SHARE = 0.8                 # syllables fit the rate only in text at least this alphabetic (by time)
-MAX_WINDOW_S = 1.5                     # a pause is matched to punctuation at most this far (nominal s) from the estimate
+MAX_WINDOW_S = 1.5                     # a pause matches punctuation at most this far (nominal s) from the estimate
 
 
 def char_seconds(ch: str) -> float:

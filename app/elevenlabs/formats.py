@@ -50,5 +50,6 @@ def parse_output_format(name: str | None) -> OutputFormat:
             ok = rate == 48000 and kbps in OPUS_KBPS
     if not ok:
         raise ApiError("invalid_output_format",
-                       f"unsupported output_format {name!r}; use one of {', '.join(supported_names())}", "output_format")
+                       f"unsupported output_format {name!r}; use one of {', '.join(supported_names())}",
+                       "output_format")
     return OutputFormat(name, kind, rate, kbps * 1000 if kbps else None)

@@ -156,10 +156,10 @@ def normalize(text: str, switches: Switches = Switches(), work: Work | None = No
         work.per_rule[rule.name] = work.per_rule.get(rule.name, 0) + work.examined - before
     claimed.sort()
     parts, segments, at, spoken_len = [], [], 0, 0
-    for start, end, said, rule in claimed:
+    for start, end, said, rule_name in claimed:
         parts.append(text[at:start])
         spoken_len += start - at
-        segments.append(Segment(start, end, spoken_len, spoken_len + len(said), rule))
+        segments.append(Segment(start, end, spoken_len, spoken_len + len(said), rule_name))
         parts.append(said)
         spoken_len += len(said)
         at = end
@@ -178,7 +178,8 @@ def warm() -> None:
 def _padded(text: str, start: int, end: int, said: str) -> str:
     """A space between what is said and a letter or digit of the text it would run into ("5km" is one match,
     but "A&B" -> "A and B")."""
-    if start > 0 and text[start - 1].isascii() and text[start - 1].isalnum() and said[0].isascii() and said[0].isalnum():
+    before = text[start - 1] if start > 0 else ""
+    if before.isascii() and before.isalnum() and said[0].isascii() and said[0].isalnum():
         said = " " + said
     if end < len(text) and text[end].isascii() and text[end].isalnum() and said[-1].isascii() and said[-1].isalnum():
         said += " "

@@ -13,7 +13,7 @@ from typing import Callable, Iterator
 
 import phonenumbers
 
-from .languages import unit_name
+from .languages import Language, unit_name
 from .work import Work
 
 
@@ -23,7 +23,7 @@ class Rule:
     switch: str | None            # the option that enables it, besides ``normalize`` (None: ``normalize`` alone)
     what: str                     # for the documentation's table
     find: Callable[[str, Work, object], Iterator[tuple[int, int, re.Match]]]  # (text, work, languages) -> matches
-    say: Callable[[re.Match, object], str | None]                      # (match, language): what is read
+    say: Callable[[re.Match, Language], str | None]                    # (match, language): what is read
     pad: bool = True              # a space between what is said and a letter it would run into
 
 
@@ -47,13 +47,21 @@ def _anchored(starts: str, pattern: str, reach: int, run: str | None = None, fla
             at = s.start()
             if at < last:
                 continue
-            stop = min(n, (run_re.match(text, at).end() if run_re else at) + reach)
+            stop = min(n, (_run_end(run_re, text, at) if run_re else at) + reach)
             work.charge(stop - at + 1)
             m = compiled.match(text, at, stop)
             if m and m.end() > at:
                 last = m.end()
                 yield at, m.end(), m
     return find
+
+
+def _run_end(run: re.Pattern[str], text: str, at: int) -> int:
+    """Where the possessive ``run`` read from ``at`` ends. A run matches at each of its starts: it may be empty,
+    or it begins with the character its rule's start looks ahead for (a currency symbol)."""
+    m = run.match(text, at)
+    assert m is not None, f"the run {run.pattern!r} does not match at its start"
+    return m.end()
 
 
 _TRAILING = ".,;:!?)]}'\""
@@ -90,19 +98,20 @@ def _url_find(text: str, work: Work, langs):
     for start, anchor in candidates:
         if anchor < last:
             continue
+        url = None
         for at in range(max(start, last), anchor + 1):     # a leading "-" is no word boundary: the next one is
-            m = _URL.match(text, at)
-            work.charge(max(m.end() if m else at, _DOTTED.match(text, at).end()) - at + 1)
-            if m:
+            url = _URL.match(text, at)
+            work.charge(max(url.end() if url else at, _run_end(_DOTTED, text, at)) - at + 1)
+            if url:
                 break
-        else:
+        if url is None:
             continue
-        end = m.end()
-        while end > m.start() and text[end - 1] in _TRAILING:
+        end = url.end()
+        while end > url.start() and text[end - 1] in _TRAILING:
             end -= 1
-        work.charge(m.end() - end)
-        last = m.end()
-        yield m.start(), end, m
+        work.charge(url.end() - end)
+        last = url.end()
+        yield url.start(), end, url
 
 
 _EMAIL = re.compile(r"[A-Za-z0-9._%+-]++@[A-Za-z0-9-]++(?:\.[A-Za-z0-9-]++)+", re.ASCII)
@@ -122,7 +131,7 @@ def _email_find(text: str, work: Work, langs):
             while j > last and text[j - 1] in _EMAIL_LOCAL:
                 j -= 1
             m = _EMAIL.match(text, j) if j < at else None
-            work.charge(at - j + _DOMAIN_RUN.match(text, at + 1).end() - at)
+            work.charge(at - j + _run_end(_DOMAIN_RUN, text, at + 1) - at)
             if m:
                 last = m.end()
                 yield j, m.end(), m
@@ -325,7 +334,8 @@ RULES: tuple[Rule, ...] = (
     Rule("ordinal", None, "English ordinals (21st)",
          _anchored(r"\b(?=\d)", r"\b(?P<n>\d+)(?:st|nd|rd|th)\b", 3, r"\d*+"),
          lambda m, lang: lang.ordinal(m.group("n")) if lang.code == "en" else None),
-    Rule("number", None, "numbers, with thousands separators, decimals and a minus sign (over 15 digits: digit by digit)",
+    Rule("number", None,
+         "numbers, with thousands separators, decimals and a minus sign (over 15 digits: digit by digit)",
          _anchored(r"(?<![\w.,])(?=-?\d)", r"(?<![\w.,])(?P<n>-?" + _NUMBER + r"(?:\.\d+)?)(?![\d]|[.,]\d)", 3,
                    _NUMBER_RUN), lambda m, lang: lang.number(m.group("n"))),
     Rule("plural", "optional_pluralization_normalization", "an optional plural: word(s) -> words",

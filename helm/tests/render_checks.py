@@ -321,6 +321,7 @@ def check_manifests(c: Checker, docs: list[dict], v: dict, chart: dict) -> list[
         bmount = mounts.get(v["bundlePath"])
         c.ok(bmount and "emptyDir" in volumes.get(bmount["name"], {}),
              "bundleImage: the bundle emptyDir is not mounted at bundlePath in the server")
+        assert bmount is not None                      # c.ok raised otherwise
         c.ok(any(m["mountPath"] == v["bundlePath"] and m["name"] == bmount["name"]
                  for m in cp.get("volumeMounts") or []), "copy-bundle does not write into the bundle volume")
     else:
@@ -368,6 +369,7 @@ def check_manifests(c: Checker, docs: list[dict], v: dict, chart: dict) -> list[
             c.eq(len(match), 1, f"Secret {ref['name']} referenced by MOSSRT_API_KEYS rendered")
             raw = (match[0].get("data") or {}).get(ref["key"])
             c.ok(raw, f"Secret {ref['name']} has no key {ref['key']}")
+            assert raw is not None                     # c.ok raised otherwise
             c.eq(base64.b64decode(raw).decode(), ",".join(v["apiKeys"]), "API keys in the Secret")
     else:
         c.ok(keys_env is None, "MOSSRT_API_KEYS set without apiKeys/existingSecret")
@@ -414,11 +416,13 @@ def check_manifests(c: Checker, docs: list[dict], v: dict, chart: dict) -> list[
         c.ok(backends, "Ingress has no backends")
         for b in backends:
             c.eq(b["name"], svc_name, "Ingress backend service")
-            c.ok(b["port"].get("name") == "http" or b["port"].get("number") == 8000, f"Ingress backend port {b['port']}")
+            c.ok(b["port"].get("name") == "http" or b["port"].get("number") == 8000,
+                 f"Ingress backend port {b['port']}")
     else:
         c.eq(len(ings), 0, "Ingresses rendered although ingress.enabled is false")
         for d in docs:
-            c.ok(not any(k.startswith("nginx.ingress.kubernetes.io/") for k in (d["metadata"].get("annotations") or {})),
+            annotations = d["metadata"].get("annotations") or {}
+            c.ok(not any(k.startswith("nginx.ingress.kubernetes.io/") for k in annotations),
                  f"{d['kind']} carries ingress-nginx annotations without an Ingress")
 
     # ---- HTTPRoute
@@ -449,7 +453,8 @@ def check_manifests(c: Checker, docs: list[dict], v: dict, chart: dict) -> list[
         c.eq(len(hpas), 0, "HPAs rendered next to a ScaledObject (KEDA creates its own)")
         so = sos[0]["spec"]
         c.eq(so["scaleTargetRef"]["name"], dep["metadata"]["name"], "ScaledObject scaleTargetRef")
-        c.eq((so["minReplicaCount"], so["maxReplicaCount"]), (a["minReplicas"], a["maxReplicas"]), "ScaledObject min/max")
+        c.eq((so["minReplicaCount"], so["maxReplicaCount"]), (a["minReplicas"], a["maxReplicas"]),
+             "ScaledObject min/max")
         trig = so["triggers"]
         c.eq([t["type"] for t in trig], ["prometheus"], "ScaledObject trigger types")
         md = trig[0]["metadata"]
@@ -516,7 +521,8 @@ def check_manifests(c: Checker, docs: list[dict], v: dict, chart: dict) -> list[
         c.eq((ep["port"], ep["path"], ep["interval"]), ("http", "/metrics", v["serviceMonitor"]["interval"]),
              "ServiceMonitor endpoint")
         c.ok(all(svc["metadata"]["labels"].get(k) == val
-                 for k, val in sms[0]["spec"]["selector"]["matchLabels"].items()), "ServiceMonitor selector misses the Service")
+                 for k, val in sms[0]["spec"]["selector"]["matchLabels"].items()),
+             "ServiceMonitor selector misses the Service")
     else:
         c.eq(len(sms), 0, "ServiceMonitors rendered although serviceMonitor.enabled is false")
 
@@ -557,7 +563,7 @@ def check_manifests(c: Checker, docs: list[dict], v: dict, chart: dict) -> list[
 
 
 # What each ci values file is there to exercise: keeps the files from drifting away from their purpose.
-PURPOSE = {
+PURPOSE: dict[str, dict[str, object]] = {
     "default": {"gpu.enabled": False, "ingress.enabled": False, "httpRoute.enabled": False,
                 "autoscaling.enabled": False, "export.enabled": True, "wyoming.enabled": False},
     "cpu-values": {"gpu.enabled": False, "server.device": "", "wyoming.enabled": True,

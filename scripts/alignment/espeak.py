@@ -50,7 +50,7 @@ class Speech:
 class Espeak:
     """One espeak-ng engine (the library is a process-wide singleton: make one)."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         name = ctypes.util.find_library("espeak-ng") or "libespeak-ng.so.1"
         try:
             self._lib = ctypes.CDLL(name)

@@ -71,7 +71,8 @@ def captions(speech: Speech, timed: Timed) -> Timed:
     character placed at the start of its word (as the route says it), so a word's error is its caption's."""
     words = WordTimestamps()
     got = [w for span in timed.spans for w in words.add(span)] + words.finish()
-    starts, at = [], 0
+    starts: list[float] = []
+    at = 0
     for w in got:
         begin = speech.text.index(w["word"], at)
         starts += [starts[-1] if starts else 0.0] * (begin - at) + [w["start_time"] * 1000] * len(w["word"])

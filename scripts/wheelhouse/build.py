@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import shutil
 import time
+from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
 
@@ -53,7 +54,7 @@ def _cuda_libraries(wheel: Path) -> list[str]:
 
 
 def build(project: Path, out: Path, target: Target, extras: list[str], host: dict[str, HostPackage],
-          host_list_name: str, also: list[str] = (), replace: list[str] = (), strip_arch: str | None = None,
+          host_list_name: str, also: Sequence[str] = (), replace: Sequence[str] = (), strip_arch: str | None = None,
           strip_mode: str = "compact", part_mib: float = 60.0, index_url: str | None = None, preset: int = 6,
           resolver: str | None = None, log=print) -> dict:
     """The whole build; returns the manifest (its ``wheelhouse`` entry describes what was built)."""

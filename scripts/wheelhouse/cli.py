@@ -38,8 +38,8 @@ HOSTS = Path(__file__).resolve().parent / "hosts"
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="gpu-wheelhouse", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog=f"host lists shipped as data: {', '.join(sorted(f.stem for f in HOSTS.glob('*.txt')))} "
-                                       f"({HOSTS})")
+                                epilog="host lists shipped as data: "
+                                       f"{', '.join(sorted(f.stem for f in HOSTS.glob('*.txt')))} ({HOSTS})")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     b = sub.add_parser("build", help="download what the host lacks; strip; compress; split")
     b.add_argument("--out", required=True, help="directory for the wheels, parts and manifest (put it under an "

@@ -137,7 +137,8 @@ def check_wheels(wheelhouse: Path, meta: dict) -> None:
 
     for w in meta.get("wheels", []):
         path = wheelhouse / "wheels" / w["filename"]
-        what = f"{w['name']} {w['version']}" + (f", needed by {', '.join(w['needed_by'])}" if w.get("needed_by") else "")
+        needed_by = f", needed by {', '.join(w['needed_by'])}" if w.get("needed_by") else ""
+        what = f"{w['name']} {w['version']}{needed_by}"
         if not path.is_file():
             raise InstallError(f"the wheelhouse has no wheel for {w['name']}: {w['filename']} ({what}) is missing; "
                                "join the parts again or rebuild with scripts/gpu-wheelhouse build")

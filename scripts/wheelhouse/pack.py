@@ -29,6 +29,7 @@ import time
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 ARCHIVE = "mossrt-wheelhouse.tar.xz"
 MANIFEST = "manifest.json"
@@ -96,6 +97,7 @@ def compress(members: list[tuple[Path, str]], out: Path, preset: int = 6) -> flo
     with tmp.open("wb") as f:
         if xz:      # same .xz format, every core
             proc = subprocess.Popen([xz, f"-{preset}", "-T0", "-c"], stdin=subprocess.PIPE, stdout=f)
+            assert proc.stdin is not None                  # stdin=PIPE
             with tarfile.open(fileobj=proc.stdin, mode="w|", format=tarfile.PAX_FORMAT) as tar:
                 for path, name in members:
                     tar.add(path, arcname=name, recursive=False, filter=_plain)
@@ -127,7 +129,8 @@ def split(archive: Path, parts_dir: Path, part_mib: float, extra: dict) -> dict:
     parts_dir.mkdir(parents=True, exist_ok=True)
     for old in parts_dir.glob(f"{ARCHIVE}.*"):
         old.unlink()
-    whole, parts = hashlib.sha256(), []
+    whole = hashlib.sha256()
+    parts: list[dict[str, Any]] = []                       # the manifest's entries: name, bytes, sha256
     with archive.open("rb") as f:
         index = 1
         while True:

@@ -26,8 +26,10 @@ import subprocess
 import sys
 import tempfile
 import tomllib
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import cast
 
 try:                                    # pip's own copy: the script needs nothing but pip
     from pip._vendor.packaging.markers import default_environment
@@ -35,8 +37,8 @@ try:                                    # pip's own copy: the script needs nothi
     from pip._vendor.packaging.specifiers import SpecifierSet
 except ImportError:                     # pragma: no cover - a pip without its vendored packaging
     from packaging.markers import default_environment
-    from packaging.requirements import Requirement
-    from packaging.specifiers import SpecifierSet
+    from packaging.requirements import Requirement  # type: ignore[assignment]  # the same API, not vendored
+    from packaging.specifiers import SpecifierSet  # type: ignore[assignment]
 
 # pip 23.3 is the first to check Requires-Python against --python-version rather than the Python it runs in
 # (pypa/pip#12216, fixed by #12218): an older pip resolving for 3.12 from 3.11 refuses every package that needs
@@ -44,7 +46,8 @@ except ImportError:                     # pragma: no cover - a pip without its v
 MIN_PIP = (23, 3)
 # what pip prints that is not why it failed: its location-mismatch warnings (a distro Python's pip 23.x prints
 # dozens), deprecations and notices
-PIP_NOISE = re.compile(r"^(WARNING: |DEPRECATION: |\[notice\] |INFO: |(distutils|sysconfig): |(user|home|root|prefix) = )")
+PIP_NOISE = re.compile(r"^(WARNING: |DEPRECATION: |\[notice\] |INFO: |(distutils|sysconfig): "
+                       r"|(user|home|root|prefix) = )")
 # and what says why: a Python it needs, a conflict and what caused it, a requirement nothing satisfies
 PIP_CAUSE = re.compile(r"^ERROR|Requires-Python|requires a different python|conflict|depends on|user requested|"
                        r"No matching distribution|Could not find a version|ResolutionImpossible", re.IGNORECASE)
@@ -209,17 +212,17 @@ def run_pip(python: str, args: list[str], what: str) -> subprocess.CompletedProc
 
 
 def resolve(project: Path, extras: list[str], target: Target, host: dict[str, HostPackage],
-            also: list[str] = (), replace: list[str] = (), index_url: str | None = None,
+            also: Sequence[str] = (), replace: Sequence[str] = (), index_url: str | None = None,
             python: str | None = None) -> Resolution:
     """Resolve ``project[extras]`` + ``also`` + its build requirements for ``target`` against ``host``."""
-    replace = {canonical(n) for n in replace}
+    replaced = {canonical(n) for n in replace}
     python = resolver_python(target.python_version, python)
     require_pip(python, pip_version(python))
     top = [f"{project}[{','.join(extras)}]" if extras else str(project), *also, *build_requirements(project)]
     with tempfile.TemporaryDirectory(prefix="wheelhouse-resolve-") as tmp:
         constraints = Path(tmp) / "host-constraints.txt"
         constraints.write_text("".join(f"{p.name}=={p.version}\n" for p in host.values()
-                                       if p.version and p.name not in replace))
+                                       if p.version and p.name not in replaced))
         report = Path(tmp) / "report.json"
         # --target: older pips take platform options only with it (nothing is installed: --dry-run)
         args = ["install", "--dry-run", "--ignore-installed", "--quiet", "--report", str(report),
@@ -229,11 +232,11 @@ def resolve(project: Path, extras: list[str], target: Target, host: dict[str, Ho
             args[1:1] = ["--index-url", index_url]
         run_pip(python, args, f"resolve {' '.join(top)} for Python {target.python_version}")
         items = json.loads(report.read_text())["install"]
-    return classify(items, top, target, host, replace, python, project)
+    return classify(items, top, target, host, replaced, python, project)
 
 
-def _marker_env(target: Target, extra: str) -> dict:
-    env = default_environment()
+def _marker_env(target: Target, extra: str) -> dict[str, str]:
+    env = cast(dict[str, str], default_environment())       # a TypedDict of str values: keys are added below
     env.update(python_version=target.python_version, python_full_version=f"{target.python_version}.0", extra=extra)
     return env
 
