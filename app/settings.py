@@ -1,7 +1,8 @@
 """Service settings, each declared once: its name, type, bounds, default, ``MOSSRT_*`` environment variable, help,
 and whether ``mossrt serve`` also takes it as a flag. The flags (``mossrt/serve.py``), the engine limits the
 service uses (:meth:`ServerSettings.limits`) and the settings table of ``docs/operations.md`` (a test compares
-it with :func:`settings_table`) are all derived from this class.
+it with :func:`settings_table`) are all derived from this class. The LocalAI backend's own settings are declared
+here too: its LoadModel options (:class:`LocalAIOptions`) and its process's (:class:`LocalAIServer`).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from pathlib import Path
 from typing import Literal
 from urllib.parse import urlsplit
 
-from pydantic import Field, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 from typing_extensions import Annotated
 
@@ -231,6 +232,45 @@ class ServerSettings(BaseSettings):
                       max_context_rows=self.max_context_rows)
 
 
+class LocalAIOptions(BaseModel):
+    """The LocalAI backend's own LoadModel options (``app/localai/options.py`` parses them from the model YAML's
+    ``options:``); the service settings LoadModel may also give are :class:`ServerSettings` fields."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    load_timeout: float = setting(1800.0, "seconds LoadModel waits for loading and warm-up", ge=1.0, le=86_400.0)
+    default_voice: str | None = setting(None, "voice used when a request names none: a registered voice or a "
+                                              "reference audio path (unset: ModelOptions.AudioPath, i.e. YAML "
+                                              "tts.audio_path, else the model's own voice)")
+    reference_dir: str | None = setting(None, "one more directory whose audio files a request's voice may name, "
+                                              "such as the folder of LocalAI's voice profiles (besides the models "
+                                              "and voices directories)")
+    output_dir: str | None = setting(None, "the folder TTS may write its dst files in (unset: any existing folder "
+                                           "but the model, voices and reference folders; a dst is always a new "
+                                           "file)")
+    # exporting a Hugging Face checkpoint (parameters.model names a checkpoint instead of a bundle)
+    codec: str | None = setting(None, "MOSS-Audio-Tokenizer checkpoint directory or hub id (required to export a "
+                                      "checkpoint)")
+    tokenizer: str | None = setting(None, "tokenizer.json or a directory holding it (unset: the TTS checkpoint "
+                                          "directory)")
+    dtype: Literal["fp32", "fp16", "int8", "int4"] = setting("fp32", "weight type of the exported TTS graphs")
+    codec_dtype: Literal["fp32", "fp16", "int8"] | None = setting(None, "weight type of the exported codec (unset: "
+                                                                        "dtype if fp32/fp16)")
+    cache_dir: str | None = setting(None, "where exported bundles are kept (unset: "
+                                          "<ModelPath>/moss-tts-realtime/bundles, else "
+                                          "~/.cache/mossrt/localai-bundles)")
+
+
+class LocalAIServer(BaseModel):
+    """The LocalAI backend process's own settings (``mossrt localai``'s flags, LocalAI's environment)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    addr: str = setting("localhost:50051", "HOST:PORT to listen on (LocalAI appends it)")
+    grace: float = setting(5.0, "seconds running calls may finish after SIGTERM/SIGINT", ge=0.0)
+    max_workers: int = setting(4, "concurrent calls (LocalAI's PYTHON_GRPC_MAX_WORKERS)", ge=1, le=1024)
+
+
 # ---------------------------------------------------------------------------------------------- derived
 def env_name(field: str) -> str:
     return ENV_PREFIX + field.upper()
@@ -264,6 +304,12 @@ def choices(info) -> tuple | None:
     args = [a for a in typing.get_args(info.annotation) if a is not type(None)] or [info.annotation]
     literal = next((a for a in args if typing.get_origin(a) is Literal), None)
     return typing.get_args(literal) if literal is not None else None
+
+
+def value_type(info) -> type:
+    """The type of a setting's values, ``None`` aside (``int`` for ``int | None``; a ``list``'s item type)."""
+    args = [a for a in typing.get_args(info.annotation) if a is not type(None)] or [info.annotation]
+    return args[0]
 
 
 def is_flag(info) -> bool:

@@ -433,7 +433,8 @@ def test_sigterm_while_the_bundle_loads_exits_0(tmp_path, full_bundle_dir):
         finally:
             b.stop()
         log = b.log()
-        assert status == 0 and "terminate called" not in log and "Traceback" not in log, f"exit {status}:\n{log[-3000:]}"
+        assert status == 0 and "terminate called" not in log and "Traceback" not in log, \
+            f"exit {status}:\n{log[-3000:]}"
         assert "stopping: running calls get" in log, log[-3000:]          # the signal was handled, not fatal
         if frozen_before_ready and "ready in" not in log:   # the signal met the load, which never ended
             return

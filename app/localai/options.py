@@ -5,7 +5,9 @@ Every bad value is an :class:`OptionError` whose message names the key, so Local
 
 ``ModelOptions.Options`` is the model YAML's ``options:`` list of ``"key:value"`` strings (the value is
 everything after the first ``:``). The keys are :data:`MODEL_OPTIONS`; an unknown key fails LoadModel
-(a typo never silently falls back to a default). ``TTSRequest.params`` keys are :data:`TTS_PARAMS`, the
+(a typo never silently falls back to a default). Each sets a setting declared once in ``app/settings.py`` (a
+:class:`ServerSettings` field, or a :class:`LocalAIOptions` one for the backend's own), whose type, choices and
+bounds its parser holds it to. ``TTSRequest.params`` keys are :data:`TTS_PARAMS`, the
 same names as the HTTP API's extension fields; unknown params are ignored (LocalAI forwards generic
 ones, such as ``ref_text``, that this model has no use for).
 """
@@ -15,10 +17,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable, Mapping
+
+from pydantic.fields import FieldInfo
 
 from ..audio_formats import MAX_SPEED, MIN_SPEED
 from ..service import SamplingFields
+from ..settings import LocalAIOptions, ServerSettings, bounds, choices, value_type
 
 BACKEND_NAME = "moss-tts-realtime"
 
@@ -51,15 +56,18 @@ def parse_int(what: str, text: str, lo: int | None = None, hi: int | None = None
     return value
 
 
-def parse_float(what: str, text: str, lo: float | None = None, hi: float | None = None) -> float:
+def parse_float(what: str, text: str, lo: float | None = None, hi: float | None = None, *,
+                above: bool = False) -> float:
+    """A finite number in ``lo..hi`` (``above``: ``lo`` itself excluded)."""
     try:
         value = float(text.strip())
     except ValueError:
         raise OptionError(f"{what}: expected a number, got {text!r}") from None
     if not math.isfinite(value):
         raise OptionError(f"{what}: expected a finite number, got {text!r}")
-    if (lo is not None and value < lo) or (hi is not None and value > hi):
-        raise OptionError(f"{what}: must be a number in {lo:g}..{hi:g}, got {text.strip()}")
+    if lo is not None and (value <= lo if above else value < lo) or (hi is not None and value > hi):
+        span = f"above {lo:g} and at most {hi:g}" if above else f"in {lo:g}..{hi:g}"
+        raise OptionError(f"{what}: must be a number {span}, got {text.strip()}")
     return value
 
 
@@ -80,91 +88,82 @@ def parse_text(what: str, text: str) -> str:
 # ---------------------------------------------------------------------------------------------- LoadModel
 @dataclass(frozen=True)
 class ModelOption:
-    key: str           # the LoadConfig field it sets
+    key: str           # the setting it sets: a ServerSettings field, or a LocalAIOptions one (app/settings.py)
     parse: Callable[[str, str], object]
     help: str
 
 
-_DEVICES = ("auto", "cpu", "cuda")
-_VERIFY = ("quick", "full", "off")
-_DTYPES = ("fp32", "fp16", "int8", "int4")
-_CODEC_DTYPES = ("fp32", "fp16", "int8")
+def _declared(key: str) -> FieldInfo:
+    """The one declaration of a LoadModel option's setting: the service's, else the LocalAI backend's own."""
+    return ServerSettings.model_fields.get(key) or LocalAIOptions.model_fields[key]
+
+
+def _parser(info: FieldInfo) -> Callable[[str, str], object]:
+    """A parser of an option's text held to its setting's type, choices and bounds."""
+    values = choices(info)
+    if values:
+        return lambda w, t: parse_choice(w, t, values)
+    lo, hi, above = bounds(info)
+    kind = value_type(info)
+    if kind is int:
+        return lambda w, t: parse_int(w, t, lo, hi)
+    if kind is float:
+        return lambda w, t: parse_float(w, t, lo, hi, above=above)
+    return parse_text
+
+
+def _option(key: str, help: str | None = None) -> ModelOption:
+    """The option that sets the setting ``key``, parsed as declared; ``help`` where LocalAI's wording differs."""
+    info = _declared(key)
+    return ModelOption(key, _parser(info), help or info.description or key)
+
 
 MODEL_OPTIONS: dict[str, ModelOption] = {
-    "device": ModelOption("device", lambda w, t: parse_choice(w, t, _DEVICES),
-                          "onnxruntime provider: cpu, cuda or auto (CUDA when installed)"),
-    "provider": ModelOption("device", lambda w, t: parse_choice(w, t, _DEVICES), "alias of device"),
-    "threads": ModelOption("threads", lambda w, t: parse_int(w, t, 0, 256),
-                           "intra-op threads, 0..256 (0 = all cores)"),
-    "voices_dir": ModelOption("voices_dir", parse_text, "directory of registered voices (names usable as voice)"),
-    "max_streams": ModelOption("max_streams", lambda w, t: parse_int(w, t, 1, 1024),
-                               "concurrent streams (KV slots), 1..1024 (default: what half the free memory holds)"),
-    "max_context_rows": ModelOption("max_context_rows", lambda w, t: parse_int(w, t, 256, 1 << 17),
-                                    "context rows per stream, i.e. its KV slot (default 4096)"),
-    "max_input_chars": ModelOption("max_input_chars", lambda w, t: parse_int(w, t, 1, 100_000),
-                                   "longest text accepted, in characters (default 4096)"),
-    "max_voice_seconds": ModelOption("max_voice_seconds", lambda w, t: parse_float(w, t, 1.0, 600.0),
-                                     "longest voice reference accepted, in seconds (default 30)"),
-    "queue_timeout": ModelOption("queue_timeout", lambda w, t: parse_float(w, t, 0.0, 600.0),
-                                 "seconds a request waits for a free stream slot before RESOURCE_EXHAUSTED (10)"),
-    "stall_timeout": ModelOption("stall_timeout", lambda w, t: parse_float(w, t, 0.001, 3600.0),
-                                 "seconds a TTSStream waits for its caller to take audio before it is cancelled (30)"),
-    "verify": ModelOption("verify", lambda w, t: parse_choice(w, t, _VERIFY),
-                          "bundle check at load: quick (sizes, default), full (every sha256) or off"),
-    "load_timeout": ModelOption("load_timeout", lambda w, t: parse_float(w, t, 1.0, 86_400.0),
-                                "seconds LoadModel waits for loading and warm-up (default 1800)"),
-    "voice": ModelOption("default_voice", parse_text,
-                         "voice used when a request names none: a registered voice or a reference audio path "
-                         "(default: ModelOptions.AudioPath, i.e. YAML tts.audio_path, else the model's own voice)"),
-    "reference_dir": ModelOption("reference_dir", parse_text,
-                                 "one more directory whose audio files a request's voice may name, such as the "
-                                 "folder of LocalAI's voice profiles (besides the models and voices directories)"),
-    "output_dir": ModelOption("output_dir", parse_text,
-                              "the folder TTS may write its dst files in (default: any existing folder but the "
-                              "model, voices and reference folders; a dst is always a new file)"),
+    "device": _option("device"),
+    "provider": _option("device", "alias of device"),
+    "threads": _option("threads"),
+    "voices_dir": _option("voices_dir", "directory of registered voices (names usable as voice)"),
+    "max_streams": _option("max_streams"),
+    "max_context_rows": _option("max_context_rows"),
+    "max_input_chars": _option("max_input_chars"),
+    "max_voice_seconds": _option("max_voice_seconds"),
+    "queue_timeout": _option("queue_timeout", "seconds a request waits for a free stream slot, then "
+                                              "RESOURCE_EXHAUSTED"),
+    "stall_timeout": _option("stall_timeout", "seconds a TTSStream waits for its caller to take audio, then it is "
+                                              "cancelled"),
+    "verify": _option("verify"),
+    "load_timeout": _option("load_timeout"),
+    "voice": _option("default_voice"),
+    "reference_dir": _option("reference_dir"),
+    "output_dir": _option("output_dir"),
     # exporting a Hugging Face checkpoint (parameters.model names a checkpoint instead of a bundle)
-    "codec": ModelOption("codec", parse_text,
-                         "MOSS-Audio-Tokenizer checkpoint directory or hub id (required to export a checkpoint)"),
-    "tokenizer": ModelOption("tokenizer", parse_text,
-                             "tokenizer.json or a directory holding it (default: the TTS checkpoint directory)"),
-    "dtype": ModelOption("dtype", lambda w, t: parse_choice(w, t, _DTYPES),
-                         "weight type of the exported TTS graphs: fp32 (default), fp16, int8, int4"),
-    "codec_dtype": ModelOption("codec_dtype", lambda w, t: parse_choice(w, t, _CODEC_DTYPES),
-                               "weight type of the exported codec: fp32, fp16 or int8 (default: dtype if fp32/fp16)"),
-    "cache_dir": ModelOption("cache_dir", parse_text,
-                             "where exported bundles are kept (default: <ModelPath>/moss-tts-realtime/bundles, "
-                             "else ~/.cache/mossrt/localai-bundles)"),
+    "codec": _option("codec"),
+    "tokenizer": _option("tokenizer"),
+    "dtype": _option("dtype"),
+    "codec_dtype": _option("codec_dtype"),
+    "cache_dir": _option("cache_dir"),
 }
+_MAX_THREADS = bounds(ServerSettings.model_fields["threads"])[1]
 
 
 @dataclass(frozen=True)
 class LoadConfig:
-    """One LoadModel request, checked (fields left None fall back to the server's defaults)."""
+    """One LoadModel request, checked. Its service settings (``settings``) override the server's defaults;
+    what it leaves out falls back to them, then to the declared defaults."""
 
     model: str                              # ModelOptions.Model as given: the model's identity
     candidates: tuple[Path, ...]            # where the bundle/checkpoint may be, in order
     model_path: str = ""                    # ModelOptions.ModelPath (LocalAI's models directory)
     audio_path: str = ""                    # ModelOptions.AudioPath (YAML tts.audio_path)
-    device: str | None = None
-    threads: int | None = None
-    voices_dir: str | None = None
-    max_streams: int | None = None
-    max_context_rows: int | None = None
-    max_input_chars: int | None = None
-    max_voice_seconds: float | None = None
-    queue_timeout: float | None = None
-    stall_timeout: float | None = None
-    verify: str | None = None
-    load_timeout: float = 1800.0
-    default_voice: str | None = None
-    reference_dir: str | None = None
-    output_dir: str | None = None
-    codec: str | None = None
-    tokenizer: str | None = None
-    dtype: str = "fp32"
-    codec_dtype: str | None = None
-    cache_dir: str | None = None
+    settings: Mapping[str, object] = field(default_factory=dict)   # ServerSettings fields it gives
+    options: LocalAIOptions = field(default_factory=LocalAIOptions)
     explicit: frozenset[str] = field(default_factory=frozenset)   # option keys given (after aliasing)
+
+    def value(self, key: str) -> object:
+        """What it holds for an option's setting (None for a service setting it does not give)."""
+        if key in LocalAIOptions.model_fields:
+            return getattr(self.options, key)
+        return self.settings.get(key)
 
 
 def parse_options(entries) -> dict[str, object]:
@@ -207,11 +206,13 @@ def load_config(request) -> LoadConfig:
         candidates.append(p)
     explicit = frozenset(opts)
     if "threads" not in opts and request.Threads > 0:
-        opts["threads"] = min(int(request.Threads), 256)
+        opts["threads"] = min(int(request.Threads), _MAX_THREADS)
     if "device" not in opts and request.CUDA:
         opts["device"] = "cuda"
+    own = {k: opts.pop(k) for k in list(opts) if k in LocalAIOptions.model_fields}
     return LoadConfig(model=model or model_file, candidates=tuple(dict.fromkeys(candidates)), model_path=model_path,
-                      audio_path=request.AudioPath.strip(), explicit=explicit, **opts)
+                      audio_path=request.AudioPath.strip(), settings=opts,
+                      options=LocalAIOptions.model_validate(own), explicit=explicit)
 
 
 # ---------------------------------------------------------------------------------------------- TTS params
@@ -242,7 +243,8 @@ TTS_PARAMS: dict[str, tuple[Callable[[str, str], object], str]] = {
 
 
 def parse_tts_params(params) -> TTSParams:
-    values: dict[str, object] = {}
+    """``TTSRequest.params`` -> :class:`TTSParams` (each value parsed as its key's type; unknown keys ignored)."""
+    values: dict[str, Any] = {}
     ignored = []
     for key, text in params.items():
         spec = TTS_PARAMS.get(key)

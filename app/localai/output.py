@@ -49,7 +49,7 @@ class OutputFile:
                 raise DstRefused(dst)
             if output_dir and not folder.is_relative_to(Path(output_dir).resolve()):
                 raise DstRefused(dst)
-            self.fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            self.fd: int | None = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
         except (OSError, RuntimeError, ValueError):
             raise DstRefused(dst) from None
         # the folder opened is the folder checked (no component swapped between the two), writable, and the
@@ -79,6 +79,8 @@ class OutputFile:
         """A 16-bit mono PCM WAV with real sizes, created in the checked folder (never over a file or a link)."""
         import soundfile as sf
 
+        if self.fd is None:              # closed: never a name resolved from the working directory instead
+            raise DstRefused(self.dst)
         try:
             fd = os.open(self.name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644,
                          dir_fd=self.fd)
