@@ -29,6 +29,7 @@ from engine.serving.scheduler import QueueSink, Scheduler, StreamError, StreamHa
 from .errors import ApiError
 from .normalize import warm as normalize_warm
 from .session.policy import SessionPolicy
+from .session.sampling import SamplingFields
 from .settings import ServerSettings
 
 log = logging.getLogger("mossrt.service")
@@ -54,19 +55,6 @@ def available_memory_bytes() -> int:
     except OSError:
         pass
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
-
-@dataclass(frozen=True)
-class SamplingFields:
-    """The OpenAI-extension fields that tune generation (all optional)."""
-
-    seed: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    repetition_penalty: float | None = None
-    repetition_window: int | None = None
-    greedy: bool | None = None
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ from typing import Any, Callable, Mapping
 from pydantic.fields import FieldInfo
 
 from ..audio_formats import MAX_SPEED, MIN_SPEED
-from ..service import SamplingFields
+from ..session.sampling import SamplingFields
 from ..settings import LocalAIOptions, ServerSettings, bounds, choices, value_type
 
 BACKEND_NAME = "moss-tts-realtime"

@@ -31,11 +31,12 @@ from ..elevenlabs.protocol import QuerySeed, Seed
 from ..errors import ELEVENLABS_PREFIXES, HTTP_CODES, ApiError, from_engine, json_error
 from ..metrics import StreamMeter
 from ..normalize import OFF, Switches
-from ..service import SamplingFields, TTSService
+from ..service import TTSService
 from ..session.aligned import AlignedAudio, aligned_audio, whole_aligned
 from ..session.http import StreamedResponse, StreamEnd, whole
 from ..session.policy import require_speakable
 from ..session.pump import TurnAudio
+from ..session.sampling import SamplingFields
 from ..session.utterance import aprepare_utterance
 
 router = APIRouter()

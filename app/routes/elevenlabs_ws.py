@@ -33,10 +33,10 @@ from ..elevenlabs.formats import OutputFormat, parse_output_format
 from ..elevenlabs.protocol import DEFAULT_INACTIVITY_TIMEOUT, ClientMessage, ConnectionParams
 from ..errors import ApiError
 from ..metrics import StreamMeter
-from ..service import SamplingFields
 from ..session.conversation import Conversation
 from ..session.policy import speakable
 from ..session.pump import Audio, Ended, TurnAudio
+from ..session.sampling import SamplingFields
 from ..session.websocket import WebSocketSession
 from ..session.wire import SessionEnd
 

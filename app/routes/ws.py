@@ -25,10 +25,10 @@ from ..audio_formats import MAX_OUT_RATE, MIN_OUT_RATE, StreamEncoder
 from ..errors import ApiError, from_engine
 from ..metrics import FRAME_SECONDS, StreamMeter
 from ..schemas import SamplingExtras, VoiceRef, WholeInt
-from ..service import SamplingFields
 from ..session.conversation import Conversation
 from ..session.policy import speakable
 from ..session.pump import Audio, Ended, TurnAudio
+from ..session.sampling import SamplingFields
 from ..session.websocket import WebSocketSession
 from ..session.wire import SessionEnd
 from ..uploads import decode_upload

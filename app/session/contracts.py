@@ -3,7 +3,7 @@ satisfies each structurally, and a test may hand in any object that does."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import numpy as np
 
@@ -14,9 +14,7 @@ from engine.serving.handles import EventSink, StreamHandle
 
 from ..settings import ServerSettings
 from .policy import SessionPolicy
-
-if TYPE_CHECKING:       # a type only: the protocols name no implementation at run time
-    from ..service import SamplingFields
+from .sampling import SamplingFields
 
 
 class UtteranceService(Protocol):

@@ -12,11 +12,11 @@ from ..audio_formats import StreamEncoder
 from ..errors import ApiError
 from ..metrics import StreamMeter
 from ..schemas import SpeechRequest, VoiceRef
-from ..service import SamplingFields
 from .contracts import SpeechService
 from .http import StreamEnd
 from .policy import require_speakable
 from .pump import TurnAudio
+from .sampling import SamplingFields
 from .utterance import Utterance, aprepare_utterance
 
 IGNORED_HEADER = "X-Mossrt-Ignored"        # request fields this model cannot use, named in the reply

@@ -7,7 +7,7 @@ import asyncio
 import threading
 import weakref
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Awaitable, Callable
+from typing import Awaitable, Callable
 
 import anyio.to_thread
 import numpy as np
@@ -23,9 +23,7 @@ from ..errors import ApiError
 from ..normalize import OFF, BudgetExceeded, Normalized, Switches, Work, normalize
 from .contracts import UtteranceService
 from .policy import speakable
-
-if TYPE_CHECKING:       # a type only, as in .contracts
-    from ..service import SamplingFields
+from .sampling import SamplingFields
 
 DISCONNECT_POLL_S = 0.1             # how often a normalizing request looks whether its client is still there
 # Normalizing is Python that holds the interpreter lock: one worker at a time already uses all the CPU a process

@@ -51,10 +51,11 @@ from engine.serving.stream import FinishReason
 from ..audio_formats import StreamEncoder
 from ..errors import ApiError, from_engine
 from ..metrics import StreamMeter
-from ..service import DEFAULT_VOICE, OPENAI_VOICES, SamplingFields
+from ..service import DEFAULT_VOICE, OPENAI_VOICES
 from ..session.conversation import Conversation
 from ..session.policy import speakable
 from ..session.pump import Audio, Ended, Failed, TurnAudio, pump
+from ..session.sampling import SamplingFields
 from ..session.utterance import aprepare_utterance
 from ..session.wire import ClientStalled, SessionEnd, WireSession
 from .channel import EventChannel
