@@ -12,6 +12,7 @@ import sys
 import traceback
 from typing import Callable
 
+from app.settings import ServerSettings, bounds, choices
 from engine.limits import DEFAULT_MAX_CONTEXT_ROWS, DEFAULT_MAX_TEXT_CHARS, HARD_MAX_FRAMES, MAX_CONTEXT_ROWS
 from engine.model.sampling import MAX_TOP_K
 
@@ -37,10 +38,13 @@ Subcommands = argparse._SubParsersAction  # what add_subparsers returns: each su
 
 # ---------------------------------------------------------------------- flags several subcommands share
 def runtime_flags(sp: Parser) -> None:
-    sp.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+    # the choices and bounds are the service's settings' (app/settings.py: one declaration)
+    device, threads = ServerSettings.model_fields["device"], ServerSettings.model_fields["threads"]
+    lo, hi, _ = bounds(threads)
+    sp.add_argument("--device", default=device.default, choices=list(choices(device) or ()),
                     help="onnxruntime provider (auto: CUDA when installed)")
-    sp.add_argument("--threads", type=int_in(0, 256), default=None,
-                    help="intra-op threads, 0..256 (default: MOSSRT_THREADS, else all cores)")
+    sp.add_argument("--threads", type=int_in(lo, hi), default=None,
+                    help=f"intra-op threads, {lo}..{hi} (default: MOSSRT_THREADS, else all cores)")
 
 
 def cuda_graphs_flag(sp: Parser) -> None:

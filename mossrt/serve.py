@@ -175,7 +175,7 @@ def draining_server(config, service):
 
 def add_serve_parser(sub) -> None:
     """``mossrt serve``'s flags: one per setting that takes one (app.settings), with its bounds and help."""
-    from app.settings import ServerSettings, bounds, choices, env_name, flag_name, is_flag
+    from app.settings import ServerSettings, bounds, choices, env_name, flag_name, is_flag, value_type
 
     from .argtypes import finite_float, int_in
 
@@ -187,8 +187,7 @@ def add_serve_parser(sub) -> None:
         if not is_flag(info):
             continue
         kw: dict = {"dest": name, "default": None}
-        args = [a for a in typing.get_args(info.annotation) if a is not type(None)] or [info.annotation]
-        kind = args[0]
+        kind = value_type(info)
         values = choices(info)
         if values:
             kw["choices"] = list(values)
