@@ -106,7 +106,12 @@ def test_bench_streams(full_bundle_dir, tmp_path):
     assert abs(two["speedup_vs_1"] - two["frames_per_s"] / one["frames_per_s"]) < 1e-9
     assert two["frames"] <= 2 * 4 and two["kv_bytes_in_use"] == 2 * two["kv_bytes_per_stream"]
     assert two["backbone_steps"] < two["frames"]               # two streams shared their step calls
-    assert "frames/s" in out
+    for run in (one, two):                                      # the loop's own cost, from its ticks
+        assert run["ticks"] >= run["steady_ticks"] >= 1 and run["tick_ms_p50"] <= run["tick_ms_p99"]
+        assert 0 <= run["host_ms_per_tick_p50"] <= run["tick_ms_p99"]
+        # steady ticks fed every stream: the per-stream host time is the per-tick one shared out
+        assert abs(run["host_us_per_stream_p50"] * run["streams"] / 1000 - run["host_ms_per_tick_p50"]) < 1e-9
+    assert "frames/s" in out and "host/stream us" in out
 
 
 def test_bench_compare(full_bundle_dir, tmp_path):

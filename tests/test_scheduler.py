@@ -436,3 +436,31 @@ def test_a_failed_tick_fails_each_stream_with_an_error_then_its_turn_end(model, 
         assert scheduler.stats().active == 0
     finally:
         scheduler.stop()
+
+
+def test_the_runner_records_each_working_tick(model):
+    """The loop's cost per tick (what ``bench streams`` reports as host time): every working tick is kept
+    with its wall time, the part of it inside onnxruntime runs, and how many streams it fed."""
+    from engine.serving.scheduler import Scheduler
+
+    scheduler = Scheduler(model, slots=2)
+    try:
+        timing = scheduler.runner.timing
+        handles = [scheduler.open_stream(params=model.default_sampling(greedy=True), seed=i) for i in range(2)]
+        for h in handles:
+            h.begin_turn(max_frames=4, wait=60)
+            h.push_text("Hello there, how are you?")
+            h.end_text()
+        frames = sum(len(drain_events(h)) for h in handles)
+        ticks = list(timing.recent_ticks)
+        assert len(ticks) == timing.ticks and abs(sum(w for w, _, _ in ticks) - timing.tick_s) < 1e-9
+        assert all(0 <= run <= wall for wall, run, _ in ticks), ticks
+        # no bucket warm-up on this scheduler: every graph run it made was inside a tick
+        assert abs(sum(run for _, run, _ in ticks) - timing.run_s()) < 1e-9 and timing.run_s() > 0
+        assert {k for _, _, k in ticks} <= {0, 1, 2} and max(k for _, _, k in ticks) == 2
+        # every frame came from a tick that fed its stream a row (a frame's depth call follows a fed row)
+        assert sum(k for _, _, k in ticks) >= frames > 0
+    finally:
+        for h in handles:
+            h.close()
+        scheduler.stop()

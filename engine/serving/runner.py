@@ -175,8 +175,10 @@ class StepRunner:
         """Advance every attached stream that has work: ask for requests, trade slots so generating streams
         come first, run the graph calls, decode and hand back the due audio."""
         t0 = time.perf_counter()
+        run0 = self.timing.run_s()
         result = TickResult()
         self.slot_table.collect_requests()
+        streams = sum(1 for e in self.slot_table.entries if e.request is not None)
         self.timing.slot_trades += self.slot_table.generating_first()
         for e, frame in self.compute.run(result):
             e.pending.append(frame)
@@ -185,6 +187,7 @@ class StepRunner:
             spent = time.perf_counter() - t0
             self.timing.ticks += 1
             self.timing.tick_s += spent
+            self.timing.recent_ticks.append((spent, self.timing.run_s() - run0, streams))
             self.pacer.note_tick(spent)
         return result
 

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 
 from engine.runtime.timing import CallTiming
 from engine.serving.stream import Frame, StreamState, TurnStats
+
+TICK_SAMPLES = 8192                    # working ticks kept in RunnerTiming.recent_ticks
 
 
 @dataclass
@@ -22,6 +25,13 @@ class RunnerTiming:
     idle_rows_stepped: int = 0         # step rows of streams between turns riding in the bucket (0 when slots
                                        # are kept in order: docs/architecture.md, "Batch buckets at fixed addresses")
     slot_trades: int = 0               # a generating stream moved below an idle one (rows and codec rings copied)
+    # the last working ticks, each (wall seconds, seconds inside graph runs, streams with a request at its
+    # start): bounded, so a long-running service keeps a window and the percentiles stay cheap
+    recent_ticks: deque[tuple[float, float, int]] = field(default_factory=lambda: deque(maxlen=TICK_SAMPLES))
+
+    def run_s(self) -> float:
+        """Seconds spent inside onnxruntime runs by every call kind so far."""
+        return self.prefill.run_s + self.step.run_s + self.depth.run_s + self.codec.run_s
 
 
 @dataclass

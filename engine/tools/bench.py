@@ -214,7 +214,8 @@ def bench_streams(model: TTSModel, streams: Sequence[int] = (1, 2, 4, 8, 16), fr
                   seed: int = 0) -> Report:
     """N concurrent streams with different texts through one scheduler (its prefix cache warm, as in the
     service): aggregate frames/s, per-stream frame interval p50/p99, time to first frame under load, the
-    ratio to one stream, and KV bytes."""
+    ratio to one stream, KV bytes, and the device loop's cost: tick time p50/p99 and host time (a tick's
+    wall time outside onnxruntime runs) per steady tick and per stream in it."""
     import threading
 
     from engine.serving.scheduler import FrameEvent, Scheduler, StreamError, TurnEnd
@@ -230,6 +231,7 @@ def bench_streams(model: TTSModel, streams: Sequence[int] = (1, 2, 4, 8, 16), fr
             len(model.prompt.tts_prompt(None))))
         scheduler.warm_prefix(None)
         scheduler.wait_warm()                   # its bucket warm-up (--warm-buckets on) is not measured
+        scheduler.runner.timing.recent_ticks.clear()        # the loop is idle here: only the run's ticks count
         stats: list[tuple[float, list[float]] | None] = [None] * n      # per stream: its start, its frames' times
 
         def one(i: int) -> None:
@@ -262,6 +264,9 @@ def bench_streams(model: TTSModel, streams: Sequence[int] = (1, 2, 4, 8, 16), fr
         bytes_per_stream = scheduler.runner.bytes_per_stream()
         timing = scheduler.runner.timing
         scheduler.stop()
+        ticks = list(timing.recent_ticks)
+        # steady ticks: every stream fed a row (no stream still waiting, prefilling alone or finished)
+        steady = [(wall, run, k) for wall, run, k in ticks if k == n] or ticks
         intervals = [b - a for _, ts in finished for a, b in zip(ts, ts[1:])]
         total = sum(len(ts) for _, ts in finished)
         return {"streams": n, "frames": total, "wall_s": wall, "frames_per_s": total / wall,
@@ -269,6 +274,11 @@ def bench_streams(model: TTSModel, streams: Sequence[int] = (1, 2, 4, 8, 16), fr
                 "interval_ms_p99": 1000 * _percentile(intervals, 99),
                 "first_frame_ms_p50": 1000 * _percentile([ts[0] - t0 for t0, ts in finished if ts], 50),
                 "first_frame_ms_max": 1000 * max(ts[0] - t0 for t0, ts in finished if ts),
+                "ticks": len(ticks), "steady_ticks": len(steady),
+                "tick_ms_p50": 1000 * _percentile([wall for wall, _, _ in ticks], 50),
+                "tick_ms_p99": 1000 * _percentile([wall for wall, _, _ in ticks], 99),
+                "host_ms_per_tick_p50": 1000 * _percentile([wall - run for wall, run, _ in steady], 50),
+                "host_us_per_stream_p50": 1e6 * _percentile([(wall - run) / k for wall, run, k in steady if k], 50),
                 "backbone_steps": timing.step.calls, "depth_calls": timing.depth.calls,
                 "kv_bytes_in_use": n * bytes_per_stream, "kv_bytes_per_stream": bytes_per_stream}
 
@@ -285,12 +295,15 @@ def format_streams_report(r: Report) -> str:
     """The printed report of :func:`bench_streams`."""
     lines = [f"streams bench: {r['frames_per_stream']} frames per stream, device {r['device']}, "
              f"tts {r['tts_dtype']}, KV slot {r['kv_rows_per_slot']} rows",
-             "  streams   frames/s   x one   interval p50/p99 ms   first frame p50/max ms   KV in use"]
+             "  streams   frames/s   x one   interval p50/p99 ms   first frame p50/max ms   KV in use"
+             "   tick p50/p99 ms   host/tick ms   host/stream us"]
     for x in r["runs"]:
         speed = f"x{x['speedup_vs_1']:.2f}" if x["speedup_vs_1"] else "  -"
         lines.append(f"  {x['streams']:>7} {x['frames_per_s']:10.1f} {speed:>7}   {x['interval_ms_p50']:8.1f} / "
                      f"{x['interval_ms_p99']:<8.1f}   {x['first_frame_ms_p50']:9.1f} / {x['first_frame_ms_max']:<9.1f}"
-                     f"   {x['kv_bytes_in_use'] / 2**20:8.1f} MiB")
+                     f"   {x['kv_bytes_in_use'] / 2**20:8.1f} MiB   {x['tick_ms_p50']:7.2f} / {x['tick_ms_p99']:<7.2f}"
+                     f"   {x['host_ms_per_tick_p50']:12.3f}   {x['host_us_per_stream_p50']:14.1f}")
+    lines.append("  host: a steady tick's wall time outside onnxruntime runs (every stream fed a row), median")
     lines.append(f"  peak RSS {r['peak_rss_bytes'] / 2**30:.2f} GiB")
     return "\n".join(lines)
 
