@@ -177,8 +177,7 @@ class StepRunner:
         t0 = time.perf_counter()
         run0 = self.timing.run_s()
         result = TickResult()
-        self.slot_table.collect_requests()
-        streams = sum(1 for e in self.slot_table.entries if e.request is not None)
+        streams = self.slot_table.collect_requests()
         self.timing.slot_trades += self.slot_table.generating_first()
         for e, frame in self.compute.run(result):
             e.pending.append(frame)

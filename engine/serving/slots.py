@@ -137,9 +137,11 @@ class SlotTable:
         raise InputError("the stream is not attached to this runner")
 
     # ------------------------------------------------------------------ a tick's requests
-    def collect_requests(self) -> None:
+    def collect_requests(self) -> int:
         """At a tick's start: each stream's KV length follows a truncated context, a request whose turn ended
-        meanwhile is given up, and a stream without one is asked what it wants fed now."""
+        meanwhile is given up, and a stream without one is asked what it wants fed now. Returns how many
+        streams have a request."""
+        asking = 0
         for e in self.entries:
             if e.request is None and self.kv.lengths[e.slot] > e.stream.fed_rows:
                 self.kv.lengths[e.slot] = e.stream.fed_rows     # the stream truncated its context
@@ -152,6 +154,8 @@ class SlotTable:
                     # where its rows go, read with the request (under the stream's lock): a truncate and a
                     # new turn between the check above and want() must not make it write at the old length
                     self.kv.lengths[e.slot] = e.request.start_row
+            asking += e.request is not None
+        return asking
 
     # ------------------------------------------------------------------ trades
     def generating_first(self) -> int:

@@ -481,7 +481,7 @@ class StreamState:
     def _held_back(self) -> bool:
         """Whether the stream asks for nothing whatever its turn holds: closed, a request already out, its
         consumer behind (paused) or its slot given away (parked)."""
-        return self.closed or self._in_flight is not None or self.paused or self.parked
+        return self.closed or self._in_flight is not None or self._paused or self._parked
 
     def _prime_request(self, rows: np.ndarray) -> StepRequest:
         """The primed context rows, as one request that samples no frame (the prime is taken)."""
