@@ -18,13 +18,14 @@ import numpy as np
 
 from app.voices import VoiceRecord, VoiceRegistry
 from engine.audio.voices import resolve_voice
-from engine.errors import EngineError, InputError, VoiceGoneError
-from engine.kv.prefix import prefix_key
+from engine.core.config import CoreConfig
+from engine.core.local import LocalEngine
+from engine.errors import InputError, VoiceGoneError
 from engine.limits import Limits
 from engine.model.sampling import SamplingParams
 from engine.model.tts import TTSModel
 from engine.runtime.bundle import Bundle
-from engine.serving.scheduler import QueueSink, Scheduler, StreamError, StreamHandle, TurnEnd
+from engine.serving.scheduler import Scheduler, StreamHandle
 
 from .errors import ApiError
 from .normalize import warm as normalize_warm
@@ -42,19 +43,6 @@ OPENAI_VOICES = ("alloy", "ash", "ballad", "coral", "echo", "fable", "onyx", "no
 DEFAULT_VOICE = "default"
 # Kokoro's voice mixing ("a+b", "a(0.5)+b(0.5)"): a name never has these (app.voices.VOICE_NAME_PATTERN)
 VOICE_MIX = re.compile(r"[+()]")
-MAX_DEFAULT_SLOTS = 64
-WARM_TIMEOUT_S = 1800            # the bucket warm-up (every bucket's calls, CUDA-graph captures) at most
-
-
-def available_memory_bytes() -> int:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 @dataclass(frozen=True)
@@ -74,28 +62,56 @@ class TTSService:
         self.bundle = bundle
         self.limits: Limits = settings.limits()
         self.policy = SessionPolicy.from_settings(settings)
-        self.model: TTSModel | None = None
-        self.scheduler: Scheduler | None = None
+        self.engine = LocalEngine(self.core_config(), bundle)
         self.voices = VoiceRegistry(settings.voices_dir, bundle.identity, max_voices=settings.max_voices)
-        self.state = "loading"          # loading -> warming -> ready -> draining; failed on a load error
-        self.error: str | None = None
         self.created = int(time.time())
         self._thread: threading.Thread | None = None
-        self.sessions_open = 0           # WebSocket sessions past their gate (bounded by ws_max_sessions)
-        self._sessions_lock = threading.Lock()
 
     # ------------------------------------------------------------------ the loaded engine
+    @property
+    def model(self) -> TTSModel | None:
+        """The model once loaded (None before)."""
+        return self.engine.model
+
+    @property
+    def scheduler(self) -> Scheduler | None:
+        """The running scheduler once loaded (None before)."""
+        return self.engine.scheduler
+
+    @property
+    def state(self) -> str:
+        """loading -> warming -> ready -> draining; failed on a load error."""
+        return self.engine.state
+
+    @property
+    def error(self) -> str | None:
+        return self.engine.error
+
+    @property
+    def sessions_open(self) -> int:
+        """WebSocket sessions past their gate (bounded by ws_max_sessions)."""
+        return self.engine.sessions_open
+
+    def core_config(self) -> CoreConfig:
+        """The engine's settings from the service's (the slots, budgets, timeouts and capture choices)."""
+        s = self.settings
+        on = lambda flag: None if flag is None else flag == "on"      # unset: the engine decides
+        return CoreConfig(bundle_dir=str(self.bundle.dir), limits=self.limits, slots=s.max_streams or None,
+                          kv_budget_bytes=s.kv_budget_bytes, prefix_cache_bytes=s.prefix_cache_bytes,
+                          parked_bytes=self.parked_context_bytes(), queue_timeout=s.queue_timeout,
+                          cuda_graphs=on(s.cuda_graphs), warm_buckets=on(s.warm_buckets))
+
     def _loaded_model(self) -> TTSModel:
         """The model, once loaded: request paths reach here after ``require_ready`` (or from ``_load``)."""
-        if self.model is None:
+        if self.engine.model is None:
             raise ApiError("loading", "the model is loading")
-        return self.model
+        return self.engine.model
 
     def _engine(self) -> Scheduler:
         """The scheduler, once loaded (as ``_loaded_model``)."""
-        if self.scheduler is None:
+        if self.engine.scheduler is None:
             raise ApiError("loading", "the model is loading")
-        return self.scheduler
+        return self.engine.scheduler
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -109,31 +125,16 @@ class TTSService:
         return self.state == "ready"
 
     def _load(self) -> None:
+        self.engine.load()
+        if self.engine.state != "ready":
+            return
         try:
-            t0 = time.monotonic()
-            on = lambda flag: None if flag is None else flag == "on"      # unset: the engine decides
-            model = TTSModel(self.bundle, cuda_graphs=on(self.settings.cuda_graphs),
-                             warm_buckets=on(self.settings.warm_buckets))
-            slots = self.settings.max_streams or self._default_slots(model)
-            self.state = "warming"              # /ready: 503 warming while the buckets and first synthesis run
-            scheduler = Scheduler(model, slots=slots, limits=self.limits, queue_timeout=self.settings.queue_timeout,
-                                  prefix_cache_bytes=self.settings.prefix_cache_bytes,
-                                  parked_bytes=self.parked_context_bytes())
-            self.scheduler = scheduler
-            self.model = model
-            if not scheduler.wait_warm(timeout=WARM_TIMEOUT_S) or scheduler.broken:
-                raise EngineError(scheduler.broken or f"the batch buckets did not warm in {WARM_TIMEOUT_S} s")
-            self._warm_up()                     # also computes the default system prompt's prefix KV
             if self.settings.normalize_text == "on":
                 normalize_warm()                # the rules' data (pint, phonenumbers) loaded before /ready
-            self.state = "ready"
-            log.info("ready in %.1f s: %d stream slots of %d context rows (%.0f MiB each), device %s%s",
-                     time.monotonic() - t0, slots, self.limits.max_context_rows,
-                     scheduler.runner.bytes_per_stream() / 2**20, self.bundle.device, self._demo_note())
+            log.info("ready: bundle %s%s", self.bundle.dir, self._demo_note())
         except Exception as e:  # noqa: BLE001 - reported by /ready and the log, the process stays up
-            log.exception("loading the bundle failed")
-            self.error = f"{type(e).__name__}: {e}"
-            self.state = "failed"
+            log.exception("warming the normalizer failed")
+            self.engine.error, self.engine.state = f"{type(e).__name__}: {e}", "failed"
 
     def _demo_note(self) -> str:
         demo = self.bundle.info.demo
@@ -147,68 +148,37 @@ class TTSService:
 
     def claim_session(self) -> bool:
         """One more open WebSocket session, unless ``ws_max_sessions`` are open (then False)."""
-        with self._sessions_lock:
-            if self.sessions_open >= self.settings.ws_max_sessions:
-                return False
-            self.sessions_open += 1
-            return True
+        return self.engine.claim_session(self.settings.ws_max_sessions)
 
     def release_session(self) -> None:
-        with self._sessions_lock:
-            self.sessions_open -= 1
-
-    def _default_slots(self, model: TTSModel) -> int:
-        budget = (self.settings.kv_budget_bytes or available_memory_bytes() // 2) - self.settings.prefix_cache_bytes
-        slots = Scheduler.slots_for_budget(model, max(budget, 0), self.limits.max_context_rows)
-        if slots < 1:
-            raise InputError(f"the KV budget ({budget / 2**20:.0f} MiB) holds no stream of "
-                             f"{self.limits.max_context_rows} rows: lower --max-context-rows or raise the budget")
-        return min(slots, MAX_DEFAULT_SLOTS)
-
-    def _warm_up(self) -> None:
-        """One short synthesis: creates every session's kernels and buffers before the first request."""
-        model = self._loaded_model()
-        h = self.start_utterance(model.tokenizer.encode("Hello."), None, model.default_sampling(greedy=True),
-                                 0, QueueSink(), max_frames=2, wait=60)
-        try:
-            while True:
-                event = h.get(timeout=600)
-                if isinstance(event, TurnEnd):
-                    break
-                if isinstance(event, StreamError):
-                    raise event.error
-        finally:
-            h.close()
+        self.engine.release_session()
 
     def drain(self, hold: float = 0.0) -> None:
         """SIGTERM: readiness off and no new streams at once, running turns get ``drain_timeout`` seconds to
         finish; returns no earlier than ``hold`` seconds (the preStop window, while /ready answers 503),
         then stops the engine. Blocking."""
         started = time.monotonic()
-        if self.state == "ready" and self.scheduler is not None:
-            self.state = "draining"
-            finished = self.scheduler.drain(self.settings.drain_timeout)
+        if self.state == "ready":
+            finished = self.engine.drain(self.settings.drain_timeout)
             log.info("drained (%s)", "all turns finished" if finished else "timeout: remaining streams stopped")
-        self.state = "draining"
+        self.engine.state = "draining"
         time.sleep(max(0.0, hold - (time.monotonic() - started)))
         self.close()
 
     def close(self) -> None:
         """Stop now: readiness off, the scheduler's loop ends and open streams get an error."""
-        self.state = "draining"
-        if self.scheduler is not None:
-            self.scheduler.stop()
+        self.engine.stop()
 
     @property
     def health_state(self) -> str:
         """``state``, or ``broken`` once the running engine is unusable (``Scheduler.broken``)."""
-        if self.state == "ready" and self.scheduler is not None and self.scheduler.broken:
+        if self.state == "ready" and self.engine.broken:
             return "broken"
         return self.state
 
     def require_ready(self) -> None:
         if self.health_state == "broken":
-            raise ApiError("engine_broken", f"the engine is broken: {self._engine().broken}")
+            raise ApiError("engine_broken", f"the engine is broken: {self.engine.broken}")
         if self.state == "ready":
             return
         if self.state == "draining":
@@ -270,9 +240,9 @@ class TTSService:
         """A scheduler stream (``Scheduler.open_stream``): ``one_shot`` for one utterance (its slot freed
         without a copy when its turn ends, never parked), ``may_park_others`` False for one whose turns take
         only a free slot (never park another stream's context, so never evict one)."""
-        return self._engine().open_stream(voice_codes=voice_codes, params=params, seed=seed, sink=sink,
-                                          allow_special_tokens=allow_special_tokens, one_shot=one_shot,
-                                          may_park_others=may_park_others)
+        self._engine()
+        return self.engine.open_stream(voice_codes, params, seed, sink, allow_special_tokens, one_shot=one_shot,
+                                       may_park_others=may_park_others)
 
     def start_utterance(self, ids, voice_codes, params: SamplingParams, seed: int | None, sink,
                         max_frames: int | None = None, allow_special_tokens: bool = False,
@@ -328,26 +298,14 @@ class TTSService:
         codes = resolve_voice(self._loaded_model(), self.limits, wav=(wav, sample_rate))
         assert codes is not None, "a reference recording always encodes to codes"
         rec = self.voices.add(name, codes)
-        scheduler = self._engine()
-        prefix = scheduler.warm_prefix(codes)
-        if prefix is not None:
-            self.voices.save_prefix(rec, scheduler.prefix_to_host(prefix))     # read back once
+        kv = self.engine.voice_prefix(codes)
+        if kv is not None:
+            self.voices.save_prefix(rec, kv)     # read back once
         return rec
 
     def _load_prefix(self, rec: VoiceRecord, codes: np.ndarray) -> None:
         """A registered voice's persisted prefix KV into the cache (once per process: uploaded to the device)."""
-        scheduler, model = self._engine(), self._loaded_model()
-        cache = scheduler.prefix_cache
-        if cache is None:
-            return
-        system = model.prompt.system_block(codes)
-        key = prefix_key(system)
-        if key not in cache:
-            kv = self.voices.load_prefix(rec, model.kv_dtype)
-            c = model.config
-            # a persisted entry holds the system block's rows, and the assistant header's after it; one of
-            # another dtype (or shape) is not used: the first stream with the voice recomputes it
-            rows = (len(system), len(model.prompt.tts_prompt(codes)))
-            if kv is not None and kv.dtype == model.kv_dtype and kv.ndim == 5 and kv.shape[3] in rows \
-                    and kv.shape[:3] + kv.shape[4:] == (c.layers, 2, c.kv_heads, c.head_dim):
-                scheduler.cache_prefix(system, kv)
+        if not self.engine.has_voice_prefix(codes):
+            kv = self.voices.load_prefix(rec, self._loaded_model().kv_dtype)
+            if kv is not None:
+                self.engine.load_voice_prefix(codes, kv)

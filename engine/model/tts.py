@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -20,22 +20,11 @@ from engine.audio.codec import Codec
 from engine.errors import BundleError, GraphError, InputError
 from engine.kv.pool import BackboneKVPool
 from engine.model.buckets import BucketBuffers, BufferStats, GraphKey, GraphRegistry, capture_decision
-from engine.model.prompt import GridLayout, PromptBuilder
 from engine.model.sampling import SamplingParams
-from engine.model.tokenizer import TextTokenizer
+from engine.model.spec import ModelSpec
 from engine.runtime.bundle import Bundle
-from engine.runtime.device import KV_DTYPES, DeviceTensor
+from engine.runtime.device import DeviceTensor
 from engine.runtime.timing import CallTiming
-
-
-def check_compute_dtype(compute_dtype: str, device: str) -> None:
-    """bf16 bundles run on CUDA only: onnxruntime's CPU provider has no bfloat16 kernels for most of the
-    backbone's ops (GroupQueryAttention, MatMul, the fused norms), so a bf16 bundle is refused on CPU
-    rather than left to fail at its first call."""
-    if compute_dtype == "bf16" and device != "cuda":
-        raise BundleError("this bundle computes in bf16, which runs on the CUDA provider only: use --device "
-                          "cuda, or export with --compute-dtype fp16 (or fp32) for CPU")
-
 
 log = logging.getLogger("mossrt.tts")
 
@@ -43,8 +32,8 @@ STEP_GRAPHS = ("backbone", "depth")      # the graphs a bucket's step captures
 NON_FINITE_LOGITS = "the depth graph produced NaN/Inf logits (damaged bundle?)"
 
 
-class TTSModel:
-    """The TTS graphs of a bundle plus everything derived from its manifest (layout, defaults, tokenizer)."""
+class TTSModel(ModelSpec):
+    """The TTS graphs of a bundle over its :class:`ModelSpec` (layout, defaults, tokenizer)."""
 
     def __init__(self, bundle: Bundle, codec: Codec | None = None, cuda_graphs: bool | None = None,
                  warm_buckets: bool | None = None) -> None:
@@ -53,27 +42,7 @@ class TTSModel:
         :func:`engine.model.buckets.capture_decision`).
         ``warm_buckets``: a scheduler on this model runs every bucket's calls once before it serves
         (``StepRunner.warm_up``; None: when capturing, so that no capture happens inside a live tick)."""
-        self.bundle = bundle
-        tts = bundle.section("tts")
-        self.config = tts.config
-        self.compute_dtype = tts.compute_dtype
-        check_compute_dtype(tts.compute_dtype, bundle.device)
-        self.kv_dtype = KV_DTYPES[tts.compute_dtype]     # backbone KV slots and cached prefixes
-        self.tokenizer = TextTokenizer.from_bundle(bundle)
-        self.codec = codec or Codec(bundle)
-        demo = bundle.info.demo
-        # the demo bundle's end rule for its random model (engine.serving.stream), None for every real bundle
-        self.demo_end_frames_per_text_id = demo.end_frames_per_text_id if demo is not None else None
-        gen = bundle.section("generation")
-        special = bundle.section("tokenizer").special_ids
-        self.layout = GridLayout(
-            codebooks=self.config.rvq, codebook_size=self.codec.codebook_size, audio_pad=self.config.audio_pad,
-            audio_bos=self.config.audio_bos, audio_eos=self.config.audio_eos, text_pad_id=special.text_pad,
-            audio_pad_text_id=special.audio_pad, text_lead=gen.prefill_text_tokens)
-        self.prompt = PromptBuilder(self.tokenizer, self.layout)
-        self.history_pad = self.config.history_pad
-        self.vocab = self.config.vocab
-        self.sampling_defaults = gen.sampling_defaults.model_dump()
+        super().__init__(bundle, codec)
         unplaced = {g: [f.node for f in bundle.unplaced("cuda") if f.graph == g] for g in STEP_GRAPHS} \
             if bundle.device == "cuda" else {}
         self.cuda_graphs, why = capture_decision(cuda_graphs, bundle.device, unplaced)
@@ -103,10 +72,6 @@ class TTSModel:
     def depth_session(self) -> ort.InferenceSession:
         return self._depth
 
-    def default_sampling(self, **overrides: float | None) -> SamplingParams:
-        """The bundle's sampling defaults with ``overrides`` (None: keep the default), validated."""
-        return SamplingParams.from_defaults(self.sampling_defaults, **overrides)
-
     def kv_pool(self, slots: int, rows: int) -> BackboneKVPool:
         """A backbone KV pool of ``slots`` slots of ``rows`` context rows on the bundle's device."""
         c = self.config
@@ -116,25 +81,6 @@ class TTSModel:
                              f"{positions} (max_position_embeddings): lower max_context_rows")
         return BackboneKVPool(c.layers, c.kv_heads, c.head_dim, slots, rows, self.bundle.device,
                               self.bundle.providers, self.kv_dtype)
-
-    def kv_bytes_per_slot(self, rows: int) -> int:
-        """Bytes of one slot of ``rows`` context rows (:meth:`kv_pool`'s), known before allocating it."""
-        c = self.config
-        return BackboneKVPool.bytes_per_slot(c.layers, c.kv_heads, c.head_dim, rows, self.kv_dtype)
-
-    def check_text_ids(self, ids: Iterable[int]) -> npt.NDArray[np.int64]:
-        """Token ids as a flat int64 array, each a valid row of the text embedding."""
-        try:
-            arr = np.asarray(list(ids))
-        except TypeError:
-            raise InputError("token ids must be a list of integers") from None
-        if arr.size == 0:
-            return np.zeros(0, np.int64)
-        if arr.ndim != 1 or arr.dtype == np.bool_ or not np.issubdtype(arr.dtype, np.integer):
-            raise InputError("token ids must be a flat list of integers")
-        if arr.min() < 0 or arr.max() >= self.vocab:
-            raise InputError(f"token ids must lie in 0..{self.vocab - 1}")
-        return arr.astype(np.int64)
 
     # ------------------------------------------------------------------ graph calls
     def run_backbone(self, grid: np.ndarray, pool: BackboneKVPool, lo: int, hi: int,
