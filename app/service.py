@@ -12,18 +12,21 @@ import os
 import re
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import cast
 
 import numpy as np
 
 from app.voices import VoiceRecord, VoiceRegistry
 from engine.audio.voices import resolve_voice
+from engine.core.client import EngineClient
 from engine.core.config import CoreConfig
-from engine.core.local import LocalEngine
+from engine.core.local import WARM_TIMEOUT_S, EngineSnapshot, LocalEngine
 from engine.errors import InputError, VoiceGoneError
 from engine.limits import Limits
 from engine.model.sampling import SamplingParams
-from engine.model.tts import TTSModel
+from engine.model.spec import ModelSpec
 from engine.runtime.bundle import Bundle
 from engine.serving.scheduler import Scheduler, StreamHandle
 
@@ -62,56 +65,81 @@ class TTSService:
         self.bundle = bundle
         self.limits: Limits = settings.limits()
         self.policy = SessionPolicy.from_settings(settings)
-        self.engine = LocalEngine(self.core_config(), bundle)
+        self.core = self.core_config()
+        # in this process (engine_process off), else the client of the core process that start() begins
+        self.engine: LocalEngine | EngineClient | None = \
+            LocalEngine(self.core, bundle) if settings.engine_process == "off" else None
+        self.spec: ModelSpec | None = None          # the request side's model (engine_process on)
+        self._failed: str | None = None             # a failure on this side (the model's spec, the normalizer)
+        self.on_engine_death: Callable[[str], None] | None = None     # mossrt serve: exit non-zero
+        self._draining = False
         self.voices = VoiceRegistry(settings.voices_dir, bundle.identity, max_voices=settings.max_voices)
         self.created = int(time.time())
         self._thread: threading.Thread | None = None
 
     # ------------------------------------------------------------------ the loaded engine
     @property
-    def model(self) -> TTSModel | None:
-        """The model once loaded (None before)."""
-        return self.engine.model
+    def model(self) -> ModelSpec | None:
+        """The model once loaded (None before): the engine's own in-process, its manifest part otherwise."""
+        if isinstance(self.engine, LocalEngine):
+            return self.engine.model
+        return self.spec if self.engine is not None else None
 
     @property
     def scheduler(self) -> Scheduler | None:
-        """The running scheduler once loaded (None before)."""
-        return self.engine.scheduler
+        """The running scheduler once loaded, when it runs in this process (None before, and with
+        engine_process on)."""
+        return self.engine.scheduler if isinstance(self.engine, LocalEngine) else None
 
     @property
     def state(self) -> str:
         """loading -> warming -> ready -> draining; failed on a load error."""
-        return self.engine.state
+        if self._failed is not None:
+            return "failed"
+        if self._draining:
+            return "draining"
+        return self.engine.state if self.engine is not None else "loading"
 
     @property
     def error(self) -> str | None:
-        return self.engine.error
+        return self._failed or (self.engine.error if self.engine is not None else None)
 
     @property
     def sessions_open(self) -> int:
-        """WebSocket sessions past their gate (bounded by ws_max_sessions)."""
-        return self.engine.sessions_open
+        """WebSocket sessions past their gate (bounded by ws_max_sessions), as the engine counts them."""
+        return self.engine_snapshot().sessions_open
+
+    def engine_snapshot(self) -> EngineSnapshot:
+        """The engine's state and counters now (the last known while a core process does not answer)."""
+        if isinstance(self.engine, EngineClient):
+            return self.engine.fresh_snapshot()
+        return self.engine.snapshot() if self.engine is not None else EngineSnapshot(state="loading")
+
+    def take_resume_seconds(self) -> list[float]:
+        return self.engine.take_resume_seconds() if self.engine is not None else []
 
     def core_config(self) -> CoreConfig:
         """The engine's settings from the service's (the slots, budgets, timeouts and capture choices)."""
         s = self.settings
         on = lambda flag: None if flag is None else flag == "on"      # unset: the engine decides
-        return CoreConfig(bundle_dir=str(self.bundle.dir), limits=self.limits, slots=s.max_streams or None,
+        return CoreConfig(bundle_dir=str(self.bundle.dir), device=s.device, threads=s.threads or None,
+                          limits=self.limits, slots=s.max_streams or None,
                           kv_budget_bytes=s.kv_budget_bytes, prefix_cache_bytes=s.prefix_cache_bytes,
                           parked_bytes=self.parked_context_bytes(), queue_timeout=s.queue_timeout,
                           cuda_graphs=on(s.cuda_graphs), warm_buckets=on(s.warm_buckets))
 
-    def _loaded_model(self) -> TTSModel:
+    def _loaded_model(self) -> ModelSpec:
         """The model, once loaded: request paths reach here after ``require_ready`` (or from ``_load``)."""
-        if self.engine.model is None:
+        model = self.model
+        if model is None:
             raise ApiError("loading", "the model is loading")
-        return self.engine.model
+        return model
 
-    def _engine(self) -> Scheduler:
-        """The scheduler, once loaded (as ``_loaded_model``)."""
-        if self.engine.scheduler is None:
+    def _running(self) -> LocalEngine | EngineClient:
+        """The engine, once loaded (as ``_loaded_model``)."""
+        if self.engine is None or self.model is None:
             raise ApiError("loading", "the model is loading")
-        return self.engine.scheduler
+        return self.engine
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -125,8 +153,18 @@ class TTSService:
         return self.state == "ready"
 
     def _load(self) -> None:
-        self.engine.load()
-        if self.engine.state != "ready":
+        if isinstance(self.engine, LocalEngine):
+            self.engine.load()
+        else:
+            try:
+                self.spec = ModelSpec(self.bundle)       # tokenizer, prompt layout: the request side's part
+            except Exception as e:  # noqa: BLE001 - reported by /ready and the log, the process stays up
+                log.exception("opening the bundle failed")
+                self._failed = f"{type(e).__name__}: {e}"
+                return
+            self.engine = EngineClient(self.core, on_death=self._engine_died, log_level=self.settings.log_level)
+            self.engine.wait_settled(WARM_TIMEOUT_S)
+        if self.state != "ready":
             return
         try:
             if self.settings.normalize_text == "on":
@@ -134,7 +172,14 @@ class TTSService:
             log.info("ready: bundle %s%s", self.bundle.dir, self._demo_note())
         except Exception as e:  # noqa: BLE001 - reported by /ready and the log, the process stays up
             log.exception("warming the normalizer failed")
-            self.engine.error, self.engine.state = f"{type(e).__name__}: {e}", "failed"
+            self._failed = f"{type(e).__name__}: {e}"
+
+    def _engine_died(self, why: str) -> None:
+        """The core process exited (its streams have their engine_broken error): /ready says so, and the
+        process that serves is told to exit non-zero."""
+        log.error("%s", why)
+        if self.on_engine_death is not None:
+            self.on_engine_death(why)
 
     def _demo_note(self) -> str:
         demo = self.bundle.info.demo
@@ -148,37 +193,40 @@ class TTSService:
 
     def claim_session(self) -> bool:
         """One more open WebSocket session, unless ``ws_max_sessions`` are open (then False)."""
-        return self.engine.claim_session(self.settings.ws_max_sessions)
+        return self._running().claim_session(self.settings.ws_max_sessions)
 
     def release_session(self) -> None:
-        self.engine.release_session()
+        if self.engine is not None:
+            self.engine.release_session()
 
     def drain(self, hold: float = 0.0) -> None:
         """SIGTERM: readiness off and no new streams at once, running turns get ``drain_timeout`` seconds to
         finish; returns no earlier than ``hold`` seconds (the preStop window, while /ready answers 503),
         then stops the engine. Blocking."""
         started = time.monotonic()
-        if self.state == "ready":
+        if self.state == "ready" and self.engine is not None:
             finished = self.engine.drain(self.settings.drain_timeout)
             log.info("drained (%s)", "all turns finished" if finished else "timeout: remaining streams stopped")
-        self.engine.state = "draining"
+        self._draining = True
         time.sleep(max(0.0, hold - (time.monotonic() - started)))
         self.close()
 
     def close(self) -> None:
         """Stop now: readiness off, the scheduler's loop ends and open streams get an error."""
-        self.engine.stop()
+        self._draining = True
+        if self.engine is not None:
+            self.engine.stop()
 
     @property
     def health_state(self) -> str:
         """``state``, or ``broken`` once the running engine is unusable (``Scheduler.broken``)."""
-        if self.state == "ready" and self.engine.broken:
+        if self.state == "ready" and self.engine is not None and self.engine.broken:
             return "broken"
         return self.state
 
     def require_ready(self) -> None:
         if self.health_state == "broken":
-            raise ApiError("engine_broken", f"the engine is broken: {self.engine.broken}")
+            raise ApiError("engine_broken", f"the engine is broken: {self.engine and self.engine.broken}")
         if self.state == "ready":
             return
         if self.state == "draining":
@@ -240,9 +288,9 @@ class TTSService:
         """A scheduler stream (``Scheduler.open_stream``): ``one_shot`` for one utterance (its slot freed
         without a copy when its turn ends, never parked), ``may_park_others`` False for one whose turns take
         only a free slot (never park another stream's context, so never evict one)."""
-        self._engine()
-        return self.engine.open_stream(voice_codes, params, seed, sink, allow_special_tokens, one_shot=one_shot,
-                                       may_park_others=may_park_others)
+        handle = self._running().open_stream(voice_codes, params, seed, sink, allow_special_tokens,
+                                             one_shot=one_shot, may_park_others=may_park_others)
+        return cast(StreamHandle, handle)     # a RemoteStream has every StreamHandle call the service makes
 
     def start_utterance(self, ids, voice_codes, params: SamplingParams, seed: int | None, sink,
                         max_frames: int | None = None, allow_special_tokens: bool = False,
@@ -298,14 +346,15 @@ class TTSService:
         codes = resolve_voice(self._loaded_model(), self.limits, wav=(wav, sample_rate))
         assert codes is not None, "a reference recording always encodes to codes"
         rec = self.voices.add(name, codes)
-        kv = self.engine.voice_prefix(codes)
+        kv = self._running().voice_prefix(codes)
         if kv is not None:
             self.voices.save_prefix(rec, kv)     # read back once
         return rec
 
     def _load_prefix(self, rec: VoiceRecord, codes: np.ndarray) -> None:
         """A registered voice's persisted prefix KV into the cache (once per process: uploaded to the device)."""
-        if not self.engine.has_voice_prefix(codes):
+        engine = self._running()
+        if not engine.has_voice_prefix(codes):
             kv = self.voices.load_prefix(rec, self._loaded_model().kv_dtype)
             if kv is not None:
-                self.engine.load_voice_prefix(codes, kv)
+                engine.load_voice_prefix(codes, kv)

@@ -84,6 +84,9 @@ class ServerSettings(BaseSettings):
                                                              "there)")
     warm_buckets: Literal["on", "off"] | None = setting(None, "run every batch bucket's calls once before /ready "
                                                               "turns 200 (unset: on when CUDA graphs are on)")
+    engine_process: Literal["on", "off"] = setting("off", "run the engine core (scheduler, KV slots, the device "
+                                                        "loop) in a process of its own, so that no request's work "
+                                                        "stalls a stream (off: in this process, as today)")
     # capacity
     max_streams: int | None = setting(None, "concurrently generating streams, i.e. KV slots (unset: what half the "
                                             "available memory holds, at most 64)", ge=1, le=1024)

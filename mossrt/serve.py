@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import signal
+import threading
 import typing
 from pathlib import Path
 
@@ -13,6 +14,8 @@ from .fd_limit import raise_open_files_limit
 
 FLUSH_SECONDS = 3     # after the drain: responses already generated finish sending, then the process exits
 EXIT_MARGIN_S = 1.0   # of those: what the end needs after the sending (connections cut, the lifespan's end, the exit)
+ENGINE_DEATH_GRACE_S = 2.0   # the engine core died: /ready answers 503 (engine_broken) this long, then the exit
+ENGINE_DIED_STATUS = 70      # EX_SOFTWARE: what serve exits with when its engine core died
 
 
 def load_settings(args):
@@ -84,11 +87,23 @@ def cmd_serve(args) -> None:
                             access_log=False, ws_max_size=settings.ws_max_message_bytes + 4096,
                             http=bounded_http_protocol(bounds), ws=bounded_ws_protocol(bounds),
                             timeout_graceful_shutdown=None)        # the flush is bounded by draining_server
-    draining_server(config, app.state.service).run()
-    exit_now()
+    server = draining_server(config, app.state.service)
+    died: list[str] = []
+
+    def engine_died(why: str) -> None:
+        # the streams have their engine_broken error and /ready says why; then the process exits non-zero
+        # so that the orchestrator replaces it
+        died.append(why)
+        threading.Timer(ENGINE_DEATH_GRACE_S, lambda: setattr(server, "should_exit", True)).start()
+
+    app.state.service.on_engine_death = engine_died
+    server.run()
+    if died:
+        log.error("exiting with status %d: %s", ENGINE_DIED_STATUS, died[0])
+    exit_now(ENGINE_DIED_STATUS if died else 0)
 
 
-def exit_now() -> None:
+def exit_now(status: int = 0) -> None:
     """The server has stopped: exit without the interpreter's teardown (its garbage collection over the
     loaded model's objects took 1.5-3 s on the demo bundle, outside every shutdown bound; and a model still
     loading on its daemon thread, inside onnxruntime, aborts the teardown: "terminate called without an
@@ -99,7 +114,7 @@ def exit_now() -> None:
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    os._exit(status)
 
 
 def draining_server(config, service):

@@ -16,7 +16,7 @@ from typing import Any, Callable
 import grpc
 
 from engine.errors import EngineError
-from engine.model.tts import TTSModel
+from engine.model.spec import ModelSpec
 from engine.runtime.bundle import Bundle
 
 from ..service import TTSService
@@ -51,7 +51,7 @@ class Loaded:
     identity: str               # ModelOptions.Model of the LoadModel that owns it ("" = preloaded)
 
     @property
-    def model(self) -> TTSModel:
+    def model(self) -> ModelSpec:
         """The model itself, once the service is ready (what ``ModelLifecycle.require`` returns is)."""
         model = self.service.model
         assert model is not None, "a ready service holds its model"

@@ -30,10 +30,11 @@ async def ready(request: Request):
             "device": service.bundle.device, "device_reason": service.bundle.device_reason}
     if state == "failed":
         body["error"] = service.error
-    if state == "broken" and service.scheduler is not None:     # broken: the running scheduler says why
-        body["error"] = service.scheduler.broken
-    if service.scheduler is not None:
-        s = service.scheduler.stats()
+    snap = service.engine_snapshot()
+    if state == "broken":                                        # broken: the running engine says why
+        body["error"] = service.engine.broken if service.engine is not None else snap.broken
+    if snap.stats is not None:
+        s = snap.stats
         body["streams"] = {"capacity": s.capacity, "active": s.active, "queued": s.queued}
     return JSONResponse(body, status_code=200 if state == "ready" else 503)
 
@@ -45,11 +46,8 @@ async def metrics(request: Request):
     service: TTSService = request.app.state.service
     m = request.app.state.metrics
     m.ready.set(1 if service.health_state == "ready" else 0)
-    scheduler = service.scheduler
-    stats = scheduler.stats() if scheduler is not None else None
-    prefix = scheduler.prefix_cache.stats if scheduler is not None and scheduler.prefix_cache is not None else None
-    resumes = scheduler.take_resume_seconds() if scheduler is not None else []
-    return Response(m.render(stats, prefix, resumes), media_type=CONTENT_TYPE_LATEST)
+    snap = service.engine_snapshot()
+    return Response(m.render(snap.stats, snap.prefix, service.take_resume_seconds()), media_type=CONTENT_TYPE_LATEST)
 
 
 def _cards(service: TTSService) -> list[ModelCard]:

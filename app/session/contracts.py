@@ -9,7 +9,7 @@ import numpy as np
 
 from engine.limits import Limits
 from engine.model.sampling import SamplingParams
-from engine.model.tts import TTSModel
+from engine.model.spec import ModelSpec
 from engine.serving.handles import EventSink, StreamHandle
 
 from ..settings import ServerSettings
@@ -27,7 +27,7 @@ class UtteranceService(Protocol):
     def limits(self) -> Limits: ...
 
     @property
-    def model(self) -> TTSModel | None: ...
+    def model(self) -> ModelSpec | None: ...
 
     def require_ready(self) -> None: ...
 

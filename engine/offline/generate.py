@@ -18,6 +18,7 @@ from engine.audio.voices import resolve_voice
 from engine.errors import InputError
 from engine.limits import Limits
 from engine.model.sampling import SamplingParams
+from engine.model.spec import ModelSpec
 from engine.model.tts import TTSModel
 from engine.offline.session import StreamingSession
 from engine.offline.turn import run_turn
@@ -64,7 +65,7 @@ def generate(model: TTSModel, text: str | None = None, text_ids: Iterable[int] |
         session.close()
 
 
-def utterance_ids(model: TTSModel, limits: Limits, voice_codes: npt.NDArray[np.int64] | None,
+def utterance_ids(model: ModelSpec, limits: Limits, voice_codes: npt.NDArray[np.int64] | None,
                   max_frames: int | None, text: str | None = None, text_ids: Iterable[int] | None = None,
                   allow_special_tokens: bool = False) -> npt.NDArray[np.int64]:
     """The ids of a whole utterance (a first turn with this voice, no user context), refused before any
