@@ -2,20 +2,26 @@
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Sequence
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, generate_latest, multiprocess
 from prometheus_client.core import CounterMetricFamily
 
 FRAME_SECONDS = 0.08
 CONVERSATION_STATES = ("generating", "idle", "parked")
+SET_AT_SCRAPE = {"multiprocess_mode": "livemostrecent"}     # the engine's values: the last scrape's, never summed
 
 
 class Metrics:
-    """One registry per app (tests build several apps in one process)."""
+    """One registry per app (tests build several apps in one process). Under ``mossrt serve --api-workers N``
+    (``PROMETHEUS_MULTIPROC_DIR`` set before prometheus-client is imported) every worker's values go to that
+    folder and a scrape reads them all: counters and histograms summed over the workers, the WebSocket
+    sessions summed over the live ones, the engine's gauges as last set (each scrape sets them from the core)."""
 
     def __init__(self):
+        self.multiprocess_dir = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
         r = self.registry = CollectorRegistry()
         self.requests = Counter("mossrt_requests_total", "Requests by endpoint and final status",
                                 ["endpoint", "status"], registry=r)
@@ -24,14 +30,16 @@ class Metrics:
                               buckets=(0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1, 2, 5, 10, 30))
         self.frames = Counter("mossrt_frames_generated_total", "Codec frames generated (80 ms each)", registry=r)
         self.audio_seconds = Counter("mossrt_audio_seconds_total", "Seconds of audio sent", registry=r)
-        self.active = Gauge("mossrt_active_streams", "Streams holding a KV slot", registry=r)
-        self.queued = Gauge("mossrt_queued_streams", "Streams waiting for a KV slot", registry=r)
+        self.active = Gauge("mossrt_active_streams", "Streams holding a KV slot", registry=r, **SET_AT_SCRAPE)
+        self.queued = Gauge("mossrt_queued_streams", "Streams waiting for a KV slot", registry=r, **SET_AT_SCRAPE)
         self.capacity = Gauge("mossrt_capacity_streams", "KV slots (concurrent streams the server admits)",
-                              registry=r)
-        self.generating = Gauge("mossrt_generating_streams", "Streams with a turn in progress", registry=r)
+                              registry=r, **SET_AT_SCRAPE)
+        self.generating = Gauge("mossrt_generating_streams", "Streams with a turn in progress", registry=r,
+                                **SET_AT_SCRAPE)
         self.stalled = Counter("mossrt_stalled_streams_total", "Streams ended because the client took no audio "
                                "for the stall timeout", ["transport"], registry=r)
-        self.sessions = Gauge("mossrt_websocket_sessions", "Open WebSocket sessions", registry=r)
+        self.sessions = Gauge("mossrt_websocket_sessions", "Open WebSocket sessions", registry=r,
+                              multiprocess_mode="livesum")
         self.underruns = Counter("mossrt_stream_underruns_total",
                                  "Times a stream's audio fell behind real time after its first chunk", registry=r)
         self.gaps = Histogram("mossrt_inter_chunk_gap_seconds", "Time between consecutive audio chunks of a stream",
@@ -39,24 +47,30 @@ class Metrics:
         self.rtf = Histogram("mossrt_realtime_factor", "Generation seconds per second of audio, per turn",
                              registry=r, buckets=(0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1, 1.5, 2, 5, 10, 30))
         self._prefix_stats = None
-        r.register(_EngineTotals(lambda: self._prefix_stats, PREFIX_COUNTERS))
+        # what this process reads from the engine at each scrape (and its build info): never summed
+        self._scraped = [_EngineTotals(lambda: self._prefix_stats, PREFIX_COUNTERS)]
+        r.register(self._scraped[0])
         self.conversations = Gauge("mossrt_conversations", "Streams by state: generating (a turn in progress, in a "
                                    "slot), idle (between turns, in a slot), parked (between turns, its context on "
-                                   "the host, no slot)", ["state"], registry=r)
+                                   "the host, no slot)", ["state"], registry=r, **SET_AT_SCRAPE)
         for state in CONVERSATION_STATES:
             self.conversations.labels(state)
         self.parked_bytes = Gauge("mossrt_parked_context_bytes", "Host memory of parked conversations' KV rows",
-                                  registry=r)
+                                  registry=r, **SET_AT_SCRAPE)
         self._parking = None
-        r.register(_EngineTotals(lambda: self._parking, PARKING_COUNTERS, zero_before=True))
+        self._scraped.append(_EngineTotals(lambda: self._parking, PARKING_COUNTERS, zero_before=True))
+        r.register(self._scraped[-1])
         self.resume = Histogram("mossrt_resume_seconds", "What resuming a parked conversation added to its turn's "
                                 "first audio: from its admission to its KV rows back in a slot", registry=r,
                                 buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5))
         self.prefix_entries = Gauge("mossrt_prefix_cache_entries", "System blocks (prompt, voices) in the KV cache",
-                                    registry=r)
-        self.prefix_bytes = Gauge("mossrt_prefix_cache_bytes", "Memory of the cached system-block KV", registry=r)
-        self.ready = Gauge("mossrt_ready", "1 when the bundle is loaded and warmed up and not draining", registry=r)
+                                    registry=r, **SET_AT_SCRAPE)
+        self.prefix_bytes = Gauge("mossrt_prefix_cache_bytes", "Memory of the cached system-block KV", registry=r,
+                                  **SET_AT_SCRAPE)
+        self.ready = Gauge("mossrt_ready", "1 when the bundle is loaded and warmed up and not draining", registry=r,
+                           **SET_AT_SCRAPE)
         self.info = Info("mossrt_build", "Bundle and runtime", registry=r)
+        self._scraped.append(self.info)
 
     def initialise(self, endpoints: tuple[str, ...], transports: tuple[str, ...]) -> None:
         """Create at 0 the series alerts and SLOs divide by: each speech endpoint's 200, 429 and 500, each
@@ -86,7 +100,13 @@ class Metrics:
             self.parked_bytes.set(parking.bytes if parking else 0)
         for seconds in resume_seconds:
             self.resume.observe(seconds)
-        return generate_latest(self.registry)
+        if self.multiprocess_dir is None:
+            return generate_latest(self.registry)
+        scrape = CollectorRegistry()
+        multiprocess.MultiProcessCollector(scrape, self.multiprocess_dir)
+        for collector in self._scraped:
+            scrape.register(collector)
+        return generate_latest(scrape)
 
 
 class StreamMeter:

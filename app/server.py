@@ -10,6 +10,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 from starlette.concurrency import run_in_threadpool
 
+from engine.core.client import CoreAddress
 from engine.runtime.bundle import Bundle
 
 from . import errors
@@ -47,9 +48,10 @@ def configure_logging(settings: ServerSettings) -> None:
     root.propagate = False
 
 
-def create_app(settings: ServerSettings, bundle: Bundle) -> FastAPI:
-    """The service for an opened bundle; the model loads in the background once the app starts."""
-    service = TTSService(settings, bundle)
+def create_app(settings: ServerSettings, bundle: Bundle, core: CoreAddress | None = None) -> FastAPI:
+    """The service for an opened bundle; the model loads in the background once the app starts (``core``:
+    the running engine core an API worker joins instead)."""
+    service = TTSService(settings, bundle, core)
     metrics = Metrics()
     metrics.info.info({"bundle": str(bundle.dir), "bundle_id": bundle.identity, "device": bundle.device,
                        "tts_dtype": bundle.info.tts.dtype if bundle.info.tts else "none",

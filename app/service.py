@@ -20,7 +20,7 @@ import numpy as np
 
 from app.voices import VoiceRecord, VoiceRegistry
 from engine.audio.voices import resolve_voice
-from engine.core.client import EngineClient
+from engine.core.client import CoreAddress, EngineClient
 from engine.core.config import CoreConfig
 from engine.core.local import WARM_TIMEOUT_S, EngineSnapshot, LocalEngine
 from engine.errors import InputError, VoiceGoneError
@@ -59,16 +59,39 @@ class VoiceEntry:
     record: VoiceRecord | None = None
 
 
+def parked_context_bytes(settings: ServerSettings) -> int:
+    """Host memory for parked conversations' KV rows: the setting, else an eighth of physical memory."""
+    if settings.parked_context_bytes is not None:
+        return settings.parked_context_bytes
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 8
+
+
+def core_config(settings: ServerSettings, bundle: Bundle) -> CoreConfig:
+    """The engine's settings from the service's (the slots, budgets, timeouts and capture choices)."""
+    s = settings
+    on = lambda flag: None if flag is None else flag == "on"      # unset: the engine decides
+    return CoreConfig(bundle_dir=str(bundle.dir), device=s.device, threads=s.threads or None,
+                      limits=s.limits(), slots=s.max_streams or None,
+                      kv_budget_bytes=s.kv_budget_bytes, prefix_cache_bytes=s.prefix_cache_bytes,
+                      parked_bytes=parked_context_bytes(s), queue_timeout=s.queue_timeout,
+                      cuda_graphs=on(s.cuda_graphs), warm_buckets=on(s.warm_buckets))
+
+
 class TTSService:
-    def __init__(self, settings: ServerSettings, bundle: Bundle):
+    """One API process's service. ``core``: the engine core to join (an API worker of ``mossrt serve
+    --api-workers N``, whose supervisor started it); else the engine runs in this process (``engine_process``
+    off) or in a core process this one starts (on)."""
+
+    def __init__(self, settings: ServerSettings, bundle: Bundle, core: CoreAddress | None = None):
         self.settings = settings
         self.bundle = bundle
         self.limits: Limits = settings.limits()
         self.policy = SessionPolicy.from_settings(settings)
-        self.core = self.core_config()
+        self.core = core_config(settings, bundle)
         # in this process (engine_process off), else the client of the core process that start() begins
         self.engine: LocalEngine | EngineClient | None = \
-            LocalEngine(self.core, bundle) if settings.engine_process == "off" else None
+            LocalEngine(self.core, bundle) if settings.engine_process == "off" and core is None else None
+        self.core_address = core
         self.spec: ModelSpec | None = None          # the request side's model (engine_process on)
         self._failed: str | None = None             # a failure on this side (the model's spec, the normalizer)
         self.on_engine_death: Callable[[str], None] | None = None     # mossrt serve: exit non-zero
@@ -118,16 +141,6 @@ class TTSService:
     def take_resume_seconds(self) -> list[float]:
         return self.engine.take_resume_seconds() if self.engine is not None else []
 
-    def core_config(self) -> CoreConfig:
-        """The engine's settings from the service's (the slots, budgets, timeouts and capture choices)."""
-        s = self.settings
-        on = lambda flag: None if flag is None else flag == "on"      # unset: the engine decides
-        return CoreConfig(bundle_dir=str(self.bundle.dir), device=s.device, threads=s.threads or None,
-                          limits=self.limits, slots=s.max_streams or None,
-                          kv_budget_bytes=s.kv_budget_bytes, prefix_cache_bytes=s.prefix_cache_bytes,
-                          parked_bytes=self.parked_context_bytes(), queue_timeout=s.queue_timeout,
-                          cuda_graphs=on(s.cuda_graphs), warm_buckets=on(s.warm_buckets))
-
     def _loaded_model(self) -> ModelSpec:
         """The model, once loaded: request paths reach here after ``require_ready`` (or from ``_load``)."""
         model = self.model
@@ -162,7 +175,8 @@ class TTSService:
                 log.exception("opening the bundle failed")
                 self._failed = f"{type(e).__name__}: {e}"
                 return
-            self.engine = EngineClient(self.core, on_death=self._engine_died, log_level=self.settings.log_level)
+            self.engine = EngineClient(self.core_address, self._engine_died) if self.core_address is not None \
+                else EngineClient.start(self.core, self._engine_died, self.settings.log_level)
             self.engine.wait_settled(WARM_TIMEOUT_S)
         if self.state != "ready":
             return
@@ -184,12 +198,6 @@ class TTSService:
     def _demo_note(self) -> str:
         demo = self.bundle.info.demo
         return f", DEMO bundle ({demo.describe()})" if self.bundle.is_demo and demo is not None else ""
-
-    def parked_context_bytes(self) -> int:
-        """Host memory for parked conversations' KV rows: the setting, else an eighth of physical memory."""
-        if self.settings.parked_context_bytes is not None:
-            return self.settings.parked_context_bytes
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 8
 
     def claim_session(self) -> bool:
         """One more open WebSocket session, unless ``ws_max_sessions`` are open (then False)."""

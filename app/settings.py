@@ -8,6 +8,7 @@ here too: its LoadModel options (:class:`LocalAIOptions`) and its process's (:cl
 from __future__ import annotations
 
 import ipaddress
+import os
 import typing
 from pathlib import Path
 from typing import Literal
@@ -87,6 +88,10 @@ class ServerSettings(BaseSettings):
     engine_process: Literal["on", "off"] = setting("off", "run the engine core (scheduler, KV slots, the device "
                                                         "loop) in a process of its own, so that no request's work "
                                                         "stalls a stream (off: in this process, as today)")
+    api_workers: int | None = setting(None, "API processes (HTTP, WebSocket; each its own interpreter) sharing one "
+                                            "engine core process; more than 1 needs --engine-process on (unset: 1 "
+                                            "with the engine in this process, else a quarter of the cores, 1 to 8)",
+                                      ge=1, le=64)
     # capacity
     max_streams: int | None = setting(None, "concurrently generating streams, i.e. KV slots (unset: what half the "
                                             "available memory holds, at most 64)", ge=1, le=1024)
@@ -213,6 +218,14 @@ class ServerSettings(BaseSettings):
         since the keys keep them, their names and their timbre, from keyless clients)."""
         return self.wyoming_voices == "all" if self.wyoming_voices is not None else not self.api_keys
 
+    @field_validator("api_workers")
+    @classmethod
+    def _workers(cls, workers: int | None, info: ValidationInfo) -> int | None:
+        # declared after engine_process: validated by now
+        if workers is not None and workers > 1 and info.data.get("engine_process") != "on":
+            raise ValueError(f"{workers} API workers share one engine core process: give --engine-process on too")
+        return workers
+
     @field_validator("api_keys")
     @classmethod
     def _keys(cls, keys: list[str]) -> list[str]:
@@ -228,6 +241,13 @@ class ServerSettings(BaseSettings):
             if r not in KEYLESS_ROUTE_CHOICES:
                 raise ValueError(f"{r!r} is not a read-only list route: one of {', '.join(KEYLESS_ROUTE_CHOICES)}")
         return routes
+
+    def api_worker_count(self) -> int:
+        """The API processes to run: the setting, else 1 with the engine in this process and a quarter of
+        the cores (1 to 8) with the engine core in its own (the core's loop and onnxruntime keep the rest)."""
+        if self.api_workers is not None:
+            return self.api_workers
+        return 1 if self.engine_process == "off" else max(1, min(8, len(os.sched_getaffinity(0)) // 4))
 
     def limits(self) -> Limits:
         """The engine limits the service holds every stream to."""

@@ -59,27 +59,41 @@ def open_bundle(settings):
 
 
 def cmd_serve(args) -> None:
-    import uvicorn
-
-    from app.protocol_bounds import ProtocolBounds, bounded_http_protocol, bounded_ws_protocol
-    from app.routes.elevenlabs_http import ROUTE_PREFIXES
-    from app.server import configure_logging, create_app
-    from engine.runtime.threads import describe_pools
+    from app.server import configure_logging
 
     settings = load_settings(args)
     bundle = open_bundle(settings)
     if settings.bundle is None:
         settings = settings.model_copy(update={"bundle": Path(bundle.dir)})
     configure_logging(settings)
-    app = create_app(settings, bundle)
     log = logging.getLogger("mossrt.app")
     if (raised := raise_open_files_limit()) is not None:
         log.info("open-file limit (RLIMIT_NOFILE) raised from %d to %d", *raised)
-    log.info("%s", describe_pools())
     if bundle.refusal:
         log.error("the bundle cannot be served on the requested device (/ready says so): %s", bundle.refusal)
     log.info("listening on http://%s:%d (%s bundle %s, device %s: %s)", settings.host, settings.port,
              "demo" if bundle.is_demo else "model", bundle.dir, bundle.device, bundle.device_reason)
+    workers = settings.api_worker_count()
+    if workers > 1:
+        from .workers import Supervisor
+
+        exit_now(Supervisor(settings, bundle, workers).run())
+    from app.server import create_app
+    from engine.runtime.threads import describe_pools
+
+    log.info("%s", describe_pools())
+    exit_now(run_app(settings, create_app(settings, bundle)))
+
+
+def run_app(settings, app, sockets=None) -> int:
+    """Serve ``app`` (on ``sockets`` when given: an API worker's inherited listener, else a new one on the
+    settings' host and port) until SIGTERM's drain ends or its engine core dies; returns the exit status."""
+    import uvicorn
+
+    from app.protocol_bounds import ProtocolBounds, bounded_http_protocol, bounded_ws_protocol
+    from app.routes.elevenlabs_http import ROUTE_PREFIXES
+
+    log = logging.getLogger("mossrt.app")
     # uvicorn raises a handled signal again once it has stopped: a no-op, so a drained server exits with status 0
     signal.signal(signal.SIGTERM, lambda *_: None)
     bounds = ProtocolBounds.of(settings, elevenlabs_prefixes=ROUTE_PREFIXES)
@@ -97,10 +111,10 @@ def cmd_serve(args) -> None:
         threading.Timer(ENGINE_DEATH_GRACE_S, lambda: setattr(server, "should_exit", True)).start()
 
     app.state.service.on_engine_death = engine_died
-    server.run()
+    server.run(sockets=sockets)
     if died:
         log.error("exiting with status %d: %s", ENGINE_DIED_STATUS, died[0])
-    exit_now(ENGINE_DIED_STATUS if died else 0)
+    return ENGINE_DIED_STATUS if died else 0
 
 
 def exit_now(status: int = 0) -> None:

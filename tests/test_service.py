@@ -290,7 +290,7 @@ def test_long_voice_upload_is_refused(server):
 
 # ---------------------------------------------------------------------------------------------- operations
 def test_models_health_ready_metrics(server):
-    assert httpx.get(server.base + "/health").json() == {"status": "ok"}
+    assert httpx.get(server.base + "/health").json() == {"status": "ok", "pid": server.proc.pid}
     ready = httpx.get(server.base + "/ready").json()
     assert ready["status"] == "ready" and ready["demo"] is False and ready["streams"]["capacity"] == 4
     from prometheus_client.parser import text_string_to_metric_families

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -16,8 +18,9 @@ router = APIRouter()
 
 @router.get("/health")
 async def health():
-    """Alive (the process answers); says nothing about the model."""
-    return {"status": "ok"}
+    """Alive (the process answers); says nothing about the model. ``pid``: the API process that answered (one
+    of several under ``--api-workers``)."""
+    return {"status": "ok", "pid": os.getpid()}
 
 
 @router.get("/ready")

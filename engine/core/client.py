@@ -1,5 +1,6 @@
-"""An API process's side of the engine core: :class:`EngineClient` starts (or joins) the core process and
-makes :class:`engine.core.local.LocalEngine`'s calls over ZMQ; :class:`RemoteStream` has the methods of a
+"""An API process's side of the engine core: :class:`CoreProcess` starts the core process, :class:`EngineClient`
+connects to it (one per API process: ``mossrt serve``, or each of its ``--api-workers``) and makes
+:class:`engine.core.local.LocalEngine`'s calls over ZMQ; :class:`RemoteStream` has the methods of a
 :class:`engine.serving.handles.StreamHandle` the service uses, its events put into the caller's own sink.
 
 One I/O thread owns the socket: callers queue a message and wake it through a pipe, replies complete
@@ -20,6 +21,7 @@ import threading
 from collections import deque
 from collections.abc import Iterable
 from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import Any, Callable, cast
 
 import numpy as np
@@ -39,17 +41,53 @@ log = logging.getLogger("mossrt.core")
 CREDIT_EVERY = 8         # frames consumed before the credit goes back (the core pauses at max_buffered_frames)
 
 
-class EngineClient:
-    """The engine core process for ``config``, started now (its output to ``log_file``, else inherited)."""
+@dataclass(frozen=True)
+class CoreAddress:
+    """Where a running engine core listens (``ipc://...``) and its process id (watched by pidfd)."""
 
-    def __init__(self, config: CoreConfig, on_death: Callable[[str], None] | None = None,
-                 log_level: str = "info") -> None:
-        self._dir = tempfile.mkdtemp(prefix="mossrt-core-")          # 0700: only this user reaches the socket
+    address: str
+    pid: int
+
+
+class CoreProcess:
+    """``python -m engine.core`` for ``config``, started now as a child of this process (which it watches: it
+    exits when this process does). Its socket lives in a folder of mode 0700: only this user reaches it."""
+
+    def __init__(self, config: CoreConfig, log_level: str = "info") -> None:
+        self._dir = tempfile.mkdtemp(prefix="mossrt-core-")
         address = f"ipc://{self._dir}/core.sock"
-        self.process = subprocess.Popen([sys.executable, "-m", "engine.core", "--address", address,
-                                         "--config-json", config.to_json(), "--parent-pid", str(os.getpid()),
-                                         "--log-level", log_level])
-        self._core_fd = os.pidfd_open(self.process.pid)
+        self.popen = subprocess.Popen([sys.executable, "-m", "engine.core", "--address", address,
+                                       "--config-json", config.to_json(), "--parent-pid", str(os.getpid()),
+                                       "--log-level", log_level],
+                                      start_new_session=True)     # a terminal's Ctrl-C reaches the API side only
+        self.at = CoreAddress(address, self.popen.pid)
+
+    def exit_status(self, timeout: float | None = None) -> int | None:
+        """The core's exit status once it has exited (waiting up to ``timeout``), else None."""
+        try:
+            return self.popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def stop(self, timeout: float = 10) -> None:
+        """SIGTERM, then SIGKILL after ``timeout`` seconds; returns once it has exited."""
+        self.popen.terminate()
+        if self.exit_status(timeout) is None:
+            self.popen.kill()
+            self.popen.wait()
+
+
+class EngineClient:
+    """An API process's connection to the engine core at ``core`` (``CoreProcess`` started it, here or in the
+    process that supervises the API workers). ``owns_core``: this client's ``stop`` stops the core, and its
+    exit status is this process's to read; a worker's client (False) only disconnects: the supervisor stops
+    the core once every worker has drained."""
+
+    def __init__(self, core: CoreAddress, on_death: Callable[[str], None] | None = None,
+                 process: CoreProcess | None = None) -> None:
+        self.core = core
+        self.process = process
+        self._core_fd = os.pidfd_open(core.pid)
         self.on_death = on_death
         self.snapshot = EngineSnapshot(state="loading")
         self.dead: str | None = None
@@ -60,7 +98,7 @@ class EngineClient:
         self._sock.setsockopt(zmq.SNDHWM, 0)
         self._sock.setsockopt(zmq.RCVHWM, 0)
         self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.connect(address)
+        self._sock.connect(core.address)
         self._out: deque[list[Any]] = deque()
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
@@ -71,6 +109,17 @@ class EngineClient:
         self._thread = threading.Thread(target=self._run, name="mossrt-core-client", daemon=True)
         self._thread.start()
         self._post(["hello", 0, os.getpid()])
+
+    @classmethod
+    def start(cls, config: CoreConfig, on_death: Callable[[str], None] | None = None,
+              log_level: str = "info") -> EngineClient:
+        """A new core process for ``config`` (a child of this process) and this process's client of it."""
+        process = CoreProcess(config, log_level)
+        return cls(process.at, on_death, process)
+
+    @property
+    def owns_core(self) -> bool:
+        return self.process is not None
 
     # ------------------------------------------------------------------ state
     @property
@@ -176,19 +225,21 @@ class EngineClient:
             return False
 
     def stop(self) -> None:
-        """Stop the core (its streams end with an error) and wait for it to exit."""
+        """Stop the core (its streams end with an error) and wait for it to exit; a worker's client (the core
+        not its own) closes only its own streams."""
         self._stopping = True
+        if self.process is None:
+            with self._lock:
+                streams = list(self._streams.values())
+            for s in streams:
+                s.close()
+            return
         if not self.dead:
             try:
                 self.call_future("stop").result(30)
             except Exception:  # noqa: BLE001 - stopping anyway
                 pass
-        self.process.terminate()
-        try:
-            self.process.wait(10)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
+        self.process.stop()
 
     # ------------------------------------------------------------------ the I/O thread
     def _deliver(self, message: list[Any]) -> None:
@@ -219,8 +270,8 @@ class EngineClient:
                 self._state_changed.notify_all()
 
     def _core_died(self) -> None:
-        rc = self.process.wait()
-        self.dead = f"the engine core process exited (status {rc})"
+        rc = self.process.exit_status() if self.process is not None else None
+        self.dead = f"the engine core process exited ({f'status {rc}' if rc is not None else f'pid {self.core.pid}'})"
         if not self._stopping:
             log.error("%s: every stream ends with engine_broken", self.dead)
         error = EngineBrokenError(self.dead)

@@ -122,9 +122,11 @@ class LocalEngine:
             h.close()
 
     def drain(self, timeout: float) -> bool:
-        """No new streams; running turns get ``timeout`` seconds to end. Returns whether they all did."""
-        was_ready, self.state = self.state == "ready", "draining"       # readiness off at once
-        return self.scheduler.drain(timeout) if was_ready and self.scheduler is not None else True
+        """No new streams; running turns get ``timeout`` seconds to end. Returns whether they all did. Each API
+        worker of one core calls it on SIGTERM: every call waits for the same turns."""
+        was_running = self.state in ("ready", "draining")
+        self.state = "draining"                                          # readiness off at once
+        return self.scheduler.drain(timeout) if was_running and self.scheduler is not None else True
 
     def stop(self) -> None:
         """Stop now: the scheduler's loop ends and open streams get an error."""

@@ -72,6 +72,7 @@ class CoreServer:
         self._streams: dict[tuple[bytes, int], StreamHandle] = {}
         self._waits: dict[tuple[bytes, int], Future[Any]] = {}
         self._peers: dict[int, bytes] = {}          # pidfd -> peer
+        self._sessions: dict[bytes, int] = {}       # WebSocket sessions each API process holds
         self._parent = watch_pid(parent_pid) if parent_pid is not None else None
         self._stopping = False
         self._loop = asyncio.new_event_loop()       # admission waits (no thread per waiting stream)
@@ -81,8 +82,8 @@ class CoreServer:
         self.ops: dict[str, Callable[..., Any]] = {
             "snapshot": lambda peer: self.engine.snapshot(),
             "resume_seconds": lambda peer: self.engine.take_resume_seconds(),
-            "claim_session": lambda peer, limit: self.engine.claim_session(limit),
-            "release_session": lambda peer: self.engine.release_session(),
+            "claim_session": self._claim_session,
+            "release_session": self._release_session,
             "has_voice_prefix": lambda peer, codes: self.engine.has_voice_prefix(codes),
             "load_voice_prefix": lambda peer, codes, kv: self.engine.load_voice_prefix(codes, kv),
             "open_stream": self._open_stream,
@@ -127,6 +128,17 @@ class CoreServer:
                                     one_shot=one_shot, may_park_others=may_park_others)
         self._streams[(peer, sid)] = h
         return h.max_buffered_frames
+
+    def _claim_session(self, peer: bytes, limit: int) -> bool:
+        if not self.engine.claim_session(limit):
+            return False
+        self._sessions[peer] = self._sessions.get(peer, 0) + 1
+        return True
+
+    def _release_session(self, peer: bytes) -> None:
+        if self._sessions.get(peer, 0) > 0:
+            self._sessions[peer] -= 1
+            self.engine.release_session()
 
     def _stream_state(self, peer: bytes, sid: int) -> dict[str, Any]:
         s = self._stream(peer, sid).stream
@@ -199,9 +211,14 @@ class CoreServer:
 
     def _forget(self, peer: bytes) -> None:
         """An API process exited: its streams close and free their slots."""
-        for key in [k for k in self._streams if k[0] == peer]:
+        keys = [k for k in self._streams if k[0] == peer]
+        for key in keys:
             self._close(*key)
-        log.info("an API process exited: its streams are closed")
+        sessions = self._sessions.pop(peer, 0)
+        for _ in range(sessions):
+            self.engine.release_session()
+        log.info("an API process exited: its %d streams are closed, its %d WebSocket sessions released",
+                 len(keys), sessions)
 
     def _flush(self) -> None:
         while self._out:

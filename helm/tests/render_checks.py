@@ -183,12 +183,13 @@ def check_manifests(c: Checker, docs: list[dict], v: dict, chart: dict) -> list[
         c.eq(env_value(main, "MOSSRT_MAX_STREAMS"), str(v["server"]["maxStreams"]), "env MOSSRT_MAX_STREAMS")
     if v["server"].get("threads"):
         c.eq(env_value(main, "MOSSRT_THREADS"), str(v["server"]["threads"]), "env MOSSRT_THREADS")
-    for key, name in (("cudaGraphs", "MOSSRT_CUDA_GRAPHS"), ("warmBuckets", "MOSSRT_WARM_BUCKETS")):
+    for key, name in (("cudaGraphs", "MOSSRT_CUDA_GRAPHS"), ("warmBuckets", "MOSSRT_WARM_BUCKETS"),
+                      ("engineProcess", "MOSSRT_ENGINE_PROCESS")):
         # unset: absent, so the server's own default (decided by the bundle's placement) applies
         want = v["server"].get(key) or None
         c.eq(env_value(main, name), want, f"env {name}")
     for key, name in (("parkedContextBytes", "MOSSRT_PARKED_CONTEXT_BYTES"),
-                      ("wsMaxSessions", "MOSSRT_WS_MAX_SESSIONS")):
+                      ("wsMaxSessions", "MOSSRT_WS_MAX_SESSIONS"), ("apiWorkers", "MOSSRT_API_WORKERS")):
         # null: absent (the server's default); set: the integer as the server parses it, never a float's
         # rendering (helm reads numbers as float64: 2147483648 would print as 2.147483648e+09)
         want = v["server"].get(key)
@@ -568,7 +569,8 @@ PURPOSE: dict[str, dict[str, object]] = {
                 "autoscaling.enabled": False, "export.enabled": True, "wyoming.enabled": False},
     "cpu-values": {"gpu.enabled": False, "server.device": "", "wyoming.enabled": True,
                    "wyoming.allowKeylessRemote": True, "wyoming.maxSessions": 16,
-                   "server.parkedContextBytes": 2147483648, "server.wsMaxSessions": 200},
+                   "server.parkedContextBytes": 2147483648, "server.wsMaxSessions": 200,
+                   "server.engineProcess": "on", "server.apiWorkers": 2},
     "gpu-values": {"gpu.enabled": True},
     "ingress-values": {"ingress.enabled": True, "ingress.nginx": True},
     "noingress-values": {"ingress.enabled": False, "httpRoute.enabled": False},
