@@ -138,6 +138,11 @@ class TTSService:
             return self.engine.fresh_snapshot()
         return self.engine.snapshot() if self.engine is not None else EngineSnapshot(state="loading")
 
+    @property
+    def core_pid(self) -> int | None:
+        """The engine core process's id (engine_process on, once started), else None."""
+        return self.engine.core.pid if isinstance(self.engine, EngineClient) else None
+
     def take_resume_seconds(self) -> list[float]:
         return self.engine.take_resume_seconds() if self.engine is not None else []
 
@@ -199,9 +204,13 @@ class TTSService:
         demo = self.bundle.info.demo
         return f", DEMO bundle ({demo.describe()})" if self.bundle.is_demo and demo is not None else ""
 
-    def claim_session(self) -> bool:
-        """One more open WebSocket session, unless ``ws_max_sessions`` are open (then False)."""
-        return self._running().claim_session(self.settings.ws_max_sessions)
+    async def claim_session(self) -> bool:
+        """One more open WebSocket session, unless ``ws_max_sessions`` are open (then False). Awaited: with the
+        engine core in its own process it is a call there, which the event loop must not block on."""
+        engine = self._running()
+        if isinstance(engine, EngineClient):
+            return await engine.aclaim_session(self.settings.ws_max_sessions)
+        return engine.claim_session(self.settings.ws_max_sessions)
 
     def release_session(self) -> None:
         if self.engine is not None:

@@ -155,6 +155,9 @@ def add_bench(sub: Subcommands) -> None:
     bs.add_argument("--frames", type=int_in(2, HARD_MAX_FRAMES), default=32,
                     help=f"frames per stream (2..{HARD_MAX_FRAMES})")
     bs.add_argument("--json", help="also write the results as JSON here")
+    bs.add_argument("--engine-process", choices=["on", "off"], default="off",
+                    help="on: the scheduler runs in an engine core process, as mossrt serve --engine-process on "
+                         "runs it (frames timed as they arrive here); off: in this process")
     runtime_flags(bs)
     bs.set_defaults(func=c.cmd_bench_streams)
     bc = bsub.add_parser("compare", help="every stage, time to first audio, throughput and memory against the "

@@ -341,7 +341,8 @@ def cmd_bench_streams(args) -> None:
         raise CliError(f"--streams must be comma-separated stream counts, got {args.streams!r}") from None
     if not counts or any(not 1 <= n <= 256 for n in counts):
         raise CliError("--streams counts must be integers in 1..256")
-    run_bench(args, load_model, lambda model: bench_streams(model, streams=counts, frames=args.frames),
+    run_bench(args, load_model, lambda model: bench_streams(model, streams=counts, frames=args.frames,
+                                                            engine_process=args.engine_process == "on"),
               format_streams_report)
 
 

@@ -225,6 +225,7 @@ def test_workers_without_the_core_process_are_refused_at_start(tmp_path):
     import subprocess
     import sys
 
-    r = subprocess.run([sys.executable, "-m", "mossrt.cli", "serve", "--api-workers", "2", "--voices-dir",
+    r = subprocess.run([sys.executable, "-m", "mossrt.cli", "serve", "--engine-process", "off", "--api-workers", "2",
+                        "--voices-dir",
                         str(tmp_path)], capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "--engine-process on" in r.stderr and "api_workers" in r.stderr

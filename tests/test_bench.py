@@ -168,3 +168,15 @@ def test_bench_synth_roofline(full_bundle_dir, tmp_path):
     assert set(roof["stages"]) == {"backbone step", "depth", "codec, 1 frame/call"}
     assert roof["stages"]["backbone step"]["ms"] == r["backbone_step_ms"]
     assert "median of 2 probes between the runs" in out and "one real-time stream needs" in out
+
+
+def test_bench_streams_through_the_engine_core_process(full_bundle_dir, tmp_path):
+    """``--engine-process on``: the streams run in a core process (one per stream count), their frames timed
+    as they arrive here, the loop's ticks read from the core."""
+    out = mossrt("bench", "streams", "--bundle", full_bundle_dir, "--streams", "2", "--frames", "4",
+                 "--engine-process", "on", "--json", tmp_path / "s.json")
+    r = json.loads((tmp_path / "s.json").read_text())
+    (two,) = r["runs"]
+    assert r["engine"] == "core process" and "engine core process" in out
+    assert two["streams"] == 2 and 2 <= two["frames"] <= 2 * 4 and two["kv_bytes_per_stream"] > 0
+    assert two["ticks"] >= two["steady_ticks"] >= 1 and 0 <= two["host_ms_per_tick_p50"] <= two["tick_ms_p99"]

@@ -268,7 +268,8 @@ def inprocess(demo_bundle_dir, tmp_path):
     from engine.runtime.bundle import Bundle
 
     settings = ServerSettings(bundle=demo_bundle_dir, voices_dir=tmp_path / "v", max_streams=1, device="cpu",
-                              queue_timeout=60, ws_text_timeout=2)
+                              queue_timeout=60, ws_text_timeout=2,
+                              engine_process="off")        # in this process: the test holds its scheduler
     app = create_app(settings, Bundle(demo_bundle_dir, device="cpu"))
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",

@@ -56,7 +56,7 @@ def speech(server: Server, **body) -> bytes:
 @pytest.fixture(scope="module")
 def servers(full_bundle_dir, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("core")
-    with Server(full_bundle_dir, tmp / "v1", tmp / "inline.log") as inline, \
+    with Server(full_bundle_dir, tmp / "v1", tmp / "inline.log", "--engine-process", "off") as inline, \
             Server(full_bundle_dir, tmp / "v2", tmp / "core.log", "--engine-process", "on") as core:
         yield inline, core
 

@@ -387,7 +387,9 @@ def test_ready_reports_a_broken_engine(full_bundle_dir, tmp_path):
     from app.settings import ServerSettings
     from engine.runtime.bundle import Bundle
 
-    settings = ServerSettings(bundle=full_bundle_dir, voices_dir=tmp_path / "v", max_streams=2, device="cpu")
+    # the engine in this process: the test breaks its scheduler (the core process's death: test_engine_core_process)
+    settings = ServerSettings(bundle=full_bundle_dir, voices_dir=tmp_path / "v", max_streams=2, device="cpu",
+                              engine_process="off")
     app = create_app(settings, Bundle(full_bundle_dir, device="cpu"))
     with TestClient(app) as client:
         service = app.state.service

@@ -328,8 +328,44 @@ def test_reference_files_are_confined_and_errors_tell_no_file_apart(loaded, back
 def test_status_ready_with_memory(loaded, backend):
     status = backend.stub.Status(pb.HealthMessage(), timeout=RPC_TIMEOUT)
     assert status.state == pb.StatusResponse.READY
-    assert status.memory.total > 0 and status.memory.breakdown["rss"] == status.memory.total
+    # total: this process, and its engine core process when the engine runs in one (engine_process on)
+    memory = status.memory
+    assert memory.total > 0 and memory.breakdown["rss"] + memory.breakdown.get("engine_core", 0) == memory.total
     assert status.memory.breakdown["stream_slots"] > 0
+
+
+def test_the_engine_may_run_in_a_core_process(backend, full_bundle_dir, tmp_path):
+    """``engine_process:on``: the engine runs in a process of the backend's own (python -m engine.core) that
+    speaks the same bytes, is counted in Status' memory, and leaves with Free."""
+    def children() -> list[int]:
+        pids = []
+        for task in Path(f"/proc/{backend.proc.pid}/task").iterdir():
+            for c in (task / "children").read_text().split():
+                if "engine.core" in Path(f"/proc/{c}/cmdline").read_text():
+                    pids.append(int(c))
+        return pids
+
+    def speak(name: str) -> bytes:
+        dst = tmp_path / f"{name}.wav"
+        r = backend.stub.TTS(pb.TTSRequest(text=TEXT, dst=str(dst), params={"greedy": "true"}), timeout=RPC_TIMEOUT)
+        assert r.success, r.message
+        return dst.read_bytes()
+
+    assert backend.stub.Free(pb.HealthMessage(), timeout=RPC_TIMEOUT).success
+    assert load(backend, full_bundle_dir, "engine_process:off").success and not children()
+    inline = speak("inline")
+    assert backend.stub.Free(pb.HealthMessage(), timeout=RPC_TIMEOUT).success
+    r = load(backend, full_bundle_dir, "engine_process:on")
+    assert r.success, r.message
+    (core,) = children()
+    assert speak("core") == inline
+    memory = backend.stub.Status(pb.HealthMessage(), timeout=RPC_TIMEOUT).memory
+    assert memory.breakdown["engine_core"] > 0 and memory.total > memory.breakdown["rss"]
+    assert backend.stub.Free(pb.HealthMessage(), timeout=RPC_TIMEOUT).success
+    deadline = time.monotonic() + 30
+    while Path(f"/proc/{core}").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not Path(f"/proc/{core}").exists(), "Free stopped (and reaped) the engine core"
 
 
 def test_free_unloads_the_model(loaded, backend, tmp_path):

@@ -584,7 +584,8 @@ def test_ready_is_503_warming_until_the_buckets_are_warm(full_bundle_dir, tmp_pa
 
     monkeypatch.setattr(StepRunner, "warm_up", held)
     monkeypatch.setenv("MOSSRT_WARM_BUCKETS", "on")
-    settings = ServerSettings(bundle=full_bundle_dir, voices_dir=tmp_path / "v", max_streams=4, device="cpu")
+    settings = ServerSettings(bundle=full_bundle_dir, voices_dir=tmp_path / "v", max_streams=4, device="cpu",
+                              engine_process="off")        # in this process: the test holds its warm-up
     assert settings.warm_buckets == "on"
     app = create_app(settings, Bundle(full_bundle_dir, device="cpu"))
     with TestClient(app) as client:

@@ -58,10 +58,10 @@ class Loaded:
         return model
 
 
-def rss_bytes() -> int:
-    """Resident memory of this process (one read of /proc/self/statm; 0 where there is none)."""
+def rss_bytes(pid: int | str = "self") -> int:
+    """Resident memory of this process or ``pid`` (one read of its statm; 0 where there is none)."""
     try:
-        with open("/proc/self/statm") as f:
+        with open(f"/proc/{pid}/statm") as f:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except (OSError, ValueError, IndexError):
         return 0
@@ -147,10 +147,13 @@ class ModelLifecycle:
             state = pb.StatusResponse.UNINITIALIZED
         else:
             service = loaded.service
-            sched = service.scheduler
-            if service.state == "ready" and sched is not None:
-                stats = sched.stats()
+            stats = service.engine_snapshot().stats if service.state == "ready" else None
+            if stats is not None:
                 breakdown["stream_slots"] = stats.capacity * stats.bytes_per_stream
+                core = service.core_pid
+                if core is not None:                 # engine_process on: the engine's memory is its process's
+                    breakdown["engine_core"] = rss_bytes(core)
+                    rss += breakdown["engine_core"]
                 state = pb.StatusResponse.BUSY if stats.generating else pb.StatusResponse.READY
             elif service.state == "failed":
                 state = pb.StatusResponse.ERROR
@@ -252,8 +255,8 @@ class ModelLifecycle:
                 raise LoadFailed(f"loading {bundle_dir} failed: {error}")
             raise LoadFailed(f"{bundle_dir} is still loading after {timeout:g} s (option load_timeout); "
                              "it goes on in the background")
-        sched = service.scheduler
-        assert sched is not None, "a ready service holds its scheduler"
-        return (f"loaded {bundle_dir}: device {service.bundle.device}, {sched.capacity} stream slots of "
+        stats = service.engine_snapshot().stats
+        assert stats is not None, "a ready service's engine has its stats"
+        return (f"loaded {bundle_dir}: device {service.bundle.device}, {stats.capacity} stream slots of "
                 f"{service.limits.max_context_rows} context rows"
                 + (" (DEMO bundle: random weights, the audio is noise)" if service.bundle.is_demo else ""))

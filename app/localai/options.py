@@ -124,6 +124,7 @@ MODEL_OPTIONS: dict[str, ModelOption] = {
     "threads": _option("threads"),
     "voices_dir": _option("voices_dir", "directory of registered voices (names usable as voice)"),
     "max_streams": _option("max_streams"),
+    "engine_process": _option("engine_process"),
     "max_context_rows": _option("max_context_rows"),
     "max_input_chars": _option("max_input_chars"),
     "max_voice_seconds": _option("max_voice_seconds"),

@@ -82,7 +82,7 @@ class WebSocketSession(WireSession[Any, str | bytes]):
     async def gate(self) -> None:
         if not self._authorized:
             await self.authenticate()
-        self._claimed = self.service.claim_session()      # idle sessions hold no slot: their number is bounded
+        self._claimed = await self.service.claim_session()      # idle sessions hold no slot: their number is bounded
         if not self._claimed:
             raise SessionEnd(ApiError("too_many_sessions", f"{self.service.settings.ws_max_sessions} WebSocket "
                                                            "sessions are open on this server; retry later"))

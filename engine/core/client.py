@@ -92,6 +92,7 @@ class EngineClient:
         self.snapshot = EngineSnapshot(state="loading")
         self.dead: str | None = None
         self._stopping = False          # stop() was called: the exit that follows is not a death
+        self._disconnect = False        # a joined client's stop: the I/O thread ends after sending what is queued
         self._state_changed = threading.Condition()
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.DEALER)
@@ -192,6 +193,9 @@ class EngineClient:
     def claim_session(self, limit: int) -> bool:
         return bool(self.call("claim_session", limit))
 
+    async def aclaim_session(self, limit: int) -> bool:
+        return bool(await self.acall("claim_session", limit))
+
     def release_session(self) -> None:
         self.send("release_session")
 
@@ -233,17 +237,24 @@ class EngineClient:
                 streams = list(self._streams.values())
             for s in streams:
                 s.close()
-            return
-        if not self.dead:
-            try:
-                self.call_future("stop").result(30)
-            except Exception:  # noqa: BLE001 - stopping anyway
-                pass
-        self.process.stop()
+            self._disconnect = True
+            self._post([])                      # wakes the I/O thread, which sends the closes and ends
+        else:
+            if not self.dead:
+                try:
+                    self.call_future("stop").result(30)
+                except Exception:  # noqa: BLE001 - stopping anyway
+                    pass
+            self.process.stop()
+        self._thread.join(10)
 
     # ------------------------------------------------------------------ the I/O thread
     def _deliver(self, message: list[Any]) -> None:
         kind = message[0]
+        if kind == "batch":                 # the core's queued messages for this process, in order
+            for m in message[2]:
+                self._deliver(m)
+            return
         if kind == "reply":
             _, call_id, ok, value = message
             with self._lock:
@@ -308,10 +319,19 @@ class EngineClient:
                 except BlockingIOError:
                     pass
             while self._out:
-                self._sock.send(pack(self._out.popleft()))
+                message = self._out.popleft()
+                if message:
+                    self._sock.send(pack(message))
             if self._core_fd in ready:
                 self._core_died()
-                return
+                break
+            if self._disconnect:
+                break
+        # closed here, on the socket's own thread: a context left to the garbage collector blocks it in
+        # zmq_ctx_term while libzmq still counts the socket as open
+        self._sock.close(0)
+        self._ctx.term()
+        os.close(self._core_fd)         # (the wake pipe stays: a late caller may still write to it)
 
 
 class StreamView:

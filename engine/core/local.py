@@ -148,6 +148,16 @@ class LocalEngine:
     def take_resume_seconds(self) -> list[float]:
         return self.scheduler.take_resume_seconds() if self.scheduler is not None else []
 
+    def take_ticks(self) -> list[tuple[float, float, int]]:
+        """The device loop's recent working ticks (wall seconds, seconds inside onnxruntime runs, streams fed),
+        oldest first, forgotten once taken (``mossrt bench streams`` through a core process reads them)."""
+        if self.scheduler is None:
+            return []
+        recent = self.scheduler.runner.timing.recent_ticks
+        ticks = list(recent)
+        recent.clear()
+        return ticks
+
     def parking_stats(self) -> ParkingStats | None:
         s = self.scheduler
         return s.stats().parking if s is not None else None

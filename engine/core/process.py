@@ -4,7 +4,9 @@ Messages (:mod:`engine.core.wire`), API process → core: ``["hello", 0, pid]`` 
 pidfd), ``["call", call_id, op, args]`` (answered ``["reply", call_id, ok, value_or_error]``) and
 ``["send", 0, op, args]`` (no answer). Core → API process: replies, ``["event", stream_id, kind, value]``
 (``frame``, ``end`` with ``[turn, stats]``, ``error``) and ``["state", 0, snapshot]`` whenever the
-engine's state changes. The device loop only queues an event; this process's I/O thread packs and sends.
+engine's state changes; what is queued for one API process when the I/O thread flushes goes as one
+``["batch", 0, [messages]]``. The device loop only queues an event; this process's I/O thread packs and
+sends.
 """
 
 from __future__ import annotations
@@ -69,6 +71,8 @@ class CoreServer:
         self._out: deque[tuple[bytes, list[Any]]] = deque()
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        self._wake_pending = False       # a wake-up byte is in the pipe: later posts need none (one per flush)
         self._streams: dict[tuple[bytes, int], StreamHandle] = {}
         self._waits: dict[tuple[bytes, int], Future[Any]] = {}
         self._peers: dict[int, bytes] = {}          # pidfd -> peer
@@ -82,6 +86,7 @@ class CoreServer:
         self.ops: dict[str, Callable[..., Any]] = {
             "snapshot": lambda peer: self.engine.snapshot(),
             "resume_seconds": lambda peer: self.engine.take_resume_seconds(),
+            "take_ticks": lambda peer: self.engine.take_ticks(),
             "claim_session": self._claim_session,
             "release_session": self._release_session,
             "has_voice_prefix": lambda peer, codes: self.engine.has_voice_prefix(codes),
@@ -104,8 +109,12 @@ class CoreServer:
 
     # ------------------------------------------------------------------ from any thread
     def post(self, peer: bytes, message: list[Any]) -> None:
-        """Queue ``message`` for ``peer`` and wake the I/O loop (thread-safe, never blocks)."""
+        """Queue ``message`` for ``peer`` and wake the I/O loop (thread-safe, never blocks): one write to the
+        wake pipe per flush, not one per frame (the device loop posts a frame per stream per tick)."""
         self._out.append((peer, message))
+        if self._wake_pending:
+            return
+        self._wake_pending = True
         try:
             os.write(self._wake_w, b"\0")
         except BlockingIOError:      # the pipe is full of wake-ups already
@@ -221,10 +230,15 @@ class CoreServer:
                  len(keys), sessions)
 
     def _flush(self) -> None:
+        """Send what is queued: one message per API process, its events in order (a batch when several)."""
+        self._wake_pending = False          # before the queue is read: a post from now on wakes the loop again
+        by_peer: dict[bytes, list[list[Any]]] = {}
         while self._out:
             peer, message = self._out.popleft()
             if message:
-                self._sock.send_multipart([peer, pack(message)])
+                by_peer.setdefault(peer, []).append(message)
+        for peer, messages in by_peer.items():
+            self._sock.send_multipart([peer, pack(messages[0] if len(messages) == 1 else ["batch", 0, messages])])
 
     def _check_state(self) -> None:
         snap = self.engine.snapshot()

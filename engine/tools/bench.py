@@ -21,6 +21,7 @@ from engine.model.tts import TTSModel
 from engine.tools.roofline import ReadProbe, Report, format_roofline, frame_bytes, roofline, stage_bytes
 
 if TYPE_CHECKING:          # the serving package is imported where a bench runs it, not with this module
+    from engine.core.client import RemoteStream
     from engine.serving.scheduler import Scheduler, StreamHandle
 
 
@@ -211,13 +212,18 @@ def _percentile(values: list[float], q: float) -> float:
 
 
 def bench_streams(model: TTSModel, streams: Sequence[int] = (1, 2, 4, 8, 16), frames: int = 32,
-                  seed: int = 0) -> Report:
+                  seed: int = 0, engine_process: bool = False) -> Report:
     """N concurrent streams with different texts through one scheduler (its prefix cache warm, as in the
     service): aggregate frames/s, per-stream frame interval p50/p99, time to first frame under load, the
     ratio to one stream, KV bytes, and the device loop's cost: tick time p50/p99 and host time (a tick's
-    wall time outside onnxruntime runs) per steady tick and per stream in it."""
+    wall time outside onnxruntime runs) per steady tick and per stream in it. ``engine_process``: the
+    scheduler runs in an engine core process (as ``mossrt serve --engine-process on`` runs it), one started
+    per stream count, and the intervals are the frames' arrivals in this process."""
     import threading
 
+    from engine.core.client import EngineClient
+    from engine.core.config import CoreConfig
+    from engine.serving.handles import QueueSink
     from engine.serving.scheduler import FrameEvent, Scheduler, StreamError, TurnEnd
 
     if frames < 2 or any(n < 1 for n in streams):
@@ -225,17 +231,32 @@ def bench_streams(model: TTSModel, streams: Sequence[int] = (1, 2, 4, 8, 16), fr
     texts = [model.tokenizer.encode(" ".join(STREAM_TEXTS[i:] + STREAM_TEXTS[:i]) * 3)
              for i in range(len(STREAM_TEXTS))]
 
+    prefix_bytes = 4 * model.kv_bytes_per_slot(len(model.prompt.tts_prompt(None)))
+
     def run(n: int) -> Report:
-        # as the service runs: the system prompt's KV comes from the prefix cache (computed before timing)
-        scheduler = Scheduler(model, slots=n, prefix_cache_bytes=4 * model.kv_bytes_per_slot(
-            len(model.prompt.tts_prompt(None))))
-        scheduler.warm_prefix(None)
-        scheduler.wait_warm()                   # its bucket warm-up (--warm-buckets on) is not measured
-        scheduler.runner.timing.recent_ticks.clear()        # the loop is idle here: only the run's ticks count
+        if engine_process:
+            b = model.bundle
+            # the core warms the system prompt's prefix KV as it starts (LocalEngine's warm-up synthesis)
+            client = EngineClient.start(CoreConfig(bundle_dir=str(b.dir), device=b.device, threads=b.threads,
+                                                   slots=n, prefix_cache_bytes=prefix_bytes,
+                                                   cuda_graphs=model.cuda_graphs, warm_buckets=model.warm_buckets))
+            if client.wait_settled(600) != "ready":
+                raise InputError(f"the engine core did not start: {client.error or client.broken}")
+            client.call("take_ticks")                           # only the run's ticks count
+            def opener(i: int) -> StreamHandle | RemoteStream:
+                return client.open_stream(None, model.default_sampling(), seed + i, QueueSink())
+        else:
+            # as the service runs: the system prompt's KV comes from the prefix cache (computed before timing)
+            scheduler = Scheduler(model, slots=n, prefix_cache_bytes=prefix_bytes)
+            scheduler.warm_prefix(None)
+            scheduler.wait_warm()                   # its bucket warm-up (--warm-buckets on) is not measured
+            scheduler.runner.timing.recent_ticks.clear()        # the loop is idle here: only the run's ticks count
+            def opener(i: int) -> StreamHandle | RemoteStream:
+                return scheduler.open_stream(params=model.default_sampling(), seed=seed + i)
         stats: list[tuple[float, list[float]] | None] = [None] * n      # per stream: its start, its frames' times
 
         def one(i: int) -> None:
-            h = scheduler.open_stream(params=model.default_sampling(), seed=seed + i)
+            h = opener(i)
             t0 = time.perf_counter()
             h.begin_turn(max_frames=frames, wait=60)
             h.push_token_ids(texts[i % len(texts)])
@@ -261,10 +282,18 @@ def bench_streams(model: TTSModel, streams: Sequence[int] = (1, 2, 4, 8, 16), fr
         wall = time.perf_counter() - t_start
         finished = [s for s in stats if s is not None]
         assert len(finished) == n, "every stream's thread finished its turn (a failed one printed its traceback)"
-        bytes_per_stream = scheduler.runner.bytes_per_stream()
-        timing = scheduler.runner.timing
-        scheduler.stop()
-        ticks = list(timing.recent_ticks)
+        if engine_process:
+            ticks = [tuple(t) for t in client.call("take_ticks")]
+            snap = client.fresh_snapshot()
+            assert snap.stats is not None, "a ready core has its stats"
+            bytes_per_stream, steps, depths = snap.stats.bytes_per_stream, -1, -1    # (the core's counters)
+            client.stop()
+        else:
+            bytes_per_stream = scheduler.runner.bytes_per_stream()
+            timing = scheduler.runner.timing
+            steps, depths = timing.step.calls, timing.depth.calls
+            scheduler.stop()
+            ticks = list(timing.recent_ticks)
         # steady ticks: every stream fed a row (no stream still waiting, prefilling alone or finished)
         steady = [(wall, run, k) for wall, run, k in ticks if k == n] or ticks
         intervals = [b - a for _, ts in finished for a, b in zip(ts, ts[1:])]
@@ -279,7 +308,7 @@ def bench_streams(model: TTSModel, streams: Sequence[int] = (1, 2, 4, 8, 16), fr
                 "tick_ms_p99": 1000 * _percentile([wall for wall, _, _ in ticks], 99),
                 "host_ms_per_tick_p50": 1000 * _percentile([wall - run for wall, run, _ in steady], 50),
                 "host_us_per_stream_p50": 1e6 * _percentile([(wall - run) / k for wall, run, k in steady if k], 50),
-                "backbone_steps": timing.step.calls, "depth_calls": timing.depth.calls,
+                "backbone_steps": steps, "depth_calls": depths,
                 "kv_bytes_in_use": n * bytes_per_stream, "kv_bytes_per_stream": bytes_per_stream}
 
     run(1)   # warm-up: session creation, first-run allocations
@@ -288,13 +317,14 @@ def bench_streams(model: TTSModel, streams: Sequence[int] = (1, 2, 4, 8, 16), fr
     for r in results:
         r["speedup_vs_1"] = r["frames_per_s"] / base if base else None
     return {"device": model.bundle.device, "tts_dtype": model.bundle.section("tts").dtype, "frames_per_stream": frames,
+            "engine": "core process" if engine_process else "in process",
             "kv_rows_per_slot": Limits().max_context_rows, "runs": results, "peak_rss_bytes": peak_rss_bytes()}
 
 
 def format_streams_report(r: Report) -> str:
     """The printed report of :func:`bench_streams`."""
     lines = [f"streams bench: {r['frames_per_stream']} frames per stream, device {r['device']}, "
-             f"tts {r['tts_dtype']}, KV slot {r['kv_rows_per_slot']} rows",
+             f"tts {r['tts_dtype']}, KV slot {r['kv_rows_per_slot']} rows, engine {r.get('engine', 'in process')}",
              "  streams   frames/s   x one   interval p50/p99 ms   first frame p50/max ms   KV in use"
              "   tick p50/p99 ms   host/tick ms   host/stream us"]
     for x in r["runs"]:
