@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import socket
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
@@ -48,16 +49,19 @@ def configure_logging(settings: ServerSettings) -> None:
     root.propagate = False
 
 
-def create_app(settings: ServerSettings, bundle: Bundle, core: CoreAddress | None = None) -> FastAPI:
+def create_app(settings: ServerSettings, bundle: Bundle, core: CoreAddress | None = None,
+               wyoming_socket: socket.socket | None = None) -> FastAPI:
     """The service for an opened bundle; the model loads in the background once the app starts (``core``:
-    the running engine core an API worker joins instead)."""
+    the running engine core an API worker joins instead; ``wyoming_socket``: the Wyoming listener's socket,
+    bound already by the supervisor of API workers)."""
     service = TTSService(settings, bundle, core)
     metrics = Metrics()
     metrics.info.info({"bundle": str(bundle.dir), "bundle_id": bundle.identity, "device": bundle.device,
                        "tts_dtype": bundle.info.tts.dtype if bundle.info.tts else "none",
                        "demo": str(bundle.is_demo).lower()})
 
-    wyoming = WyomingListener(settings.wyoming_uri, service, metrics, _version()) if settings.wyoming_uri else None
+    wyoming = WyomingListener(settings.wyoming_uri, service, metrics, _version(), wyoming_socket) \
+        if settings.wyoming_uri else None
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):

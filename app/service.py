@@ -94,6 +94,7 @@ class TTSService:
         self.core_address = core
         self.spec: ModelSpec | None = None          # the request side's model (engine_process on)
         self._failed: str | None = None             # a failure on this side (the model's spec, the normalizer)
+        self._normalizer_warm = False
         self.on_engine_death: Callable[[str], None] | None = None     # mossrt serve: exit non-zero
         self._draining = False
         self.voices = VoiceRegistry(settings.voices_dir, bundle.identity, max_voices=settings.max_voices)
@@ -161,9 +162,36 @@ class TTSService:
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
-        """Load the model and warm it up on a background thread."""
+        """Load the model and warm it up on a background thread. An API worker first does its own part here
+        (the manifest's model, the normalizer's data, the core joined: a second or two) before its app takes
+        connections, so that whichever worker a connection reaches answers as the core stands."""
+        if self.core_address is not None:
+            self._open_spec() and self._warm_normalizer()
+            if self._failed is None:
+                self.engine = EngineClient(self.core_address, self._engine_died)
+                self.engine.wait_known(30)
         self._thread = threading.Thread(target=self._load, name="mossrt-load", daemon=True)
         self._thread.start()
+
+    def _open_spec(self) -> bool:
+        try:
+            self.spec = ModelSpec(self.bundle)       # tokenizer, prompt layout: the request side's part
+            return True
+        except Exception as e:  # noqa: BLE001 - reported by /ready and the log, the process stays up
+            log.exception("opening the bundle failed")
+            self._failed = f"{type(e).__name__}: {e}"
+            return False
+
+    def _warm_normalizer(self) -> bool:
+        try:
+            if self.settings.normalize_text == "on" and not self._normalizer_warm:
+                normalize_warm()                # the rules' data (pint, phonenumbers) loaded before /ready
+            self._normalizer_warm = True
+            return True
+        except Exception as e:  # noqa: BLE001 - reported by /ready and the log, the process stays up
+            log.exception("warming the normalizer failed")
+            self._failed = f"{type(e).__name__}: {e}"
+            return False
 
     def wait_ready(self, timeout: float) -> bool:
         if self._thread is not None:
@@ -173,25 +201,17 @@ class TTSService:
     def _load(self) -> None:
         if isinstance(self.engine, LocalEngine):
             self.engine.load()
-        else:
-            try:
-                self.spec = ModelSpec(self.bundle)       # tokenizer, prompt layout: the request side's part
-            except Exception as e:  # noqa: BLE001 - reported by /ready and the log, the process stays up
-                log.exception("opening the bundle failed")
-                self._failed = f"{type(e).__name__}: {e}"
+        elif isinstance(self.engine, EngineClient):     # an API worker's, joined in start()
+            self.engine.wait_settled(WARM_TIMEOUT_S)
+        elif self._failed is None:
+            if not self._open_spec():
                 return
-            self.engine = EngineClient(self.core_address, self._engine_died) if self.core_address is not None \
-                else EngineClient.start(self.core, self._engine_died, self.settings.log_level)
+            self.engine = EngineClient.start(self.core, self._engine_died, self.settings.log_level)
             self.engine.wait_settled(WARM_TIMEOUT_S)
         if self.state != "ready":
             return
-        try:
-            if self.settings.normalize_text == "on":
-                normalize_warm()                # the rules' data (pint, phonenumbers) loaded before /ready
+        if self._warm_normalizer():
             log.info("ready: bundle %s%s", self.bundle.dir, self._demo_note())
-        except Exception as e:  # noqa: BLE001 - reported by /ready and the log, the process stays up
-            log.exception("warming the normalizer failed")
-            self._failed = f"{type(e).__name__}: {e}"
 
     def _engine_died(self, why: str) -> None:
         """The core process exited (its streams have their engine_broken error): /ready says so, and the

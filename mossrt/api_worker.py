@@ -26,7 +26,9 @@ def main() -> None:
     assert settings.bundle is not None, "the supervisor names the bundle it opened"
     bundle = Bundle(settings.bundle, device=settings.device, threads=settings.threads or None, defer_refusal=True,
                     shared_pool=True)       # the manifest and tokenizer: the graphs open in the core
-    app = create_app(settings, bundle, CoreAddress(orders["core_address"], orders["core_pid"]))
+    wyoming = orders.get("wyoming_fd")
+    app = create_app(settings, bundle, CoreAddress(orders["core_address"], orders["core_pid"]),
+                     socket.socket(fileno=wyoming) if wyoming is not None else None)
     listener = socket.socket(fileno=orders["fd"])
     log.info("API worker %d serving", orders["index"])
     exit_now(run_app(settings, app, sockets=[listener]))

@@ -23,11 +23,13 @@ import os
 import select
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
 import time
 from dataclasses import dataclass
+from urllib.parse import urlsplit
 
 from .serve import ENGINE_DEATH_GRACE_S, ENGINE_DIED_STATUS, FLUSH_SECONDS
 
@@ -35,6 +37,19 @@ log = logging.getLogger("mossrt.app")
 
 RESTART_BACKOFF_S = 1.0      # a worker that dies within this many seconds of its start waits as long to restart
 EXIT_MARGIN_S = 10.0         # past the drain window (or the core's death grace), workers still alive are killed
+
+
+def wyoming_socket(uri: str | None) -> socket.socket | None:
+    """The Wyoming listener's TCP socket, bound and listening here so that it is open as long as this
+    process is and a connection waits in the backlog while worker 0 (which serves Wyoming) starts or
+    restarts; None without a ``tcp://`` URI (a ``unix://`` one is bound by worker 0 itself)."""
+    if not uri or urlsplit(uri).scheme != "tcp":
+        return None
+    parts = urlsplit(uri)
+    sock = socket.create_server((parts.hostname or "", parts.port or 0), family=socket.AF_INET6
+                                if parts.hostname and ":" in parts.hostname else socket.AF_INET)
+    sock.set_inheritable(True)
+    return sock
 
 
 @dataclass
@@ -63,9 +78,13 @@ class Supervisor:
             settings = settings.model_copy(update={"wyoming_uri": None})     # one Wyoming listener: worker 0's
         orders = {"index": index, "fd": self.listener.fileno(), "core_address": self.core.at.address,
                   "core_pid": self.core.at.pid, "settings": settings.model_dump(mode="json")}
+        fds = [self.listener.fileno()]
+        if index == 0 and self.wyoming is not None:
+            orders["wyoming_fd"] = self.wyoming.fileno()
+            fds.append(self.wyoming.fileno())
         env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": self.metrics_dir}
         popen = subprocess.Popen([sys.executable, "-m", "mossrt.api_worker"], stdin=subprocess.PIPE, env=env,
-                                 pass_fds=(self.listener.fileno(),), start_new_session=True)   # signals: ours
+                                 pass_fds=fds, start_new_session=True)   # signals: ours
         assert popen.stdin is not None
         popen.stdin.write(json.dumps(orders).encode())      # on stdin: the API keys stay out of its environment
         popen.stdin.close()
@@ -121,6 +140,7 @@ class Supervisor:
             signal.signal(sig, self._on_signal)
         # uvicorn's own bind (IPv4 or IPv6, SO_REUSEADDR), inheritable: the workers accept on it (the app unused)
         self.listener = uvicorn.Config(app="app.server:create_app", host=s.host, port=s.port).bind_socket()
+        self.wyoming = wyoming_socket(s.wyoming_uri)
         self.metrics_dir = tempfile.mkdtemp(prefix="mossrt-metrics-")
         self.core = CoreProcess(core_config(s, self.bundle), s.log_level)
         core_fd = os.pidfd_open(self.core.at.pid)
@@ -131,6 +151,8 @@ class Supervisor:
             return self._supervise(core_fd)
         finally:
             self.listener.close()
+            if self.wyoming is not None:
+                self.wyoming.close()
             shutil.rmtree(self.metrics_dir, ignore_errors=True)
 
     def _supervise(self, core_fd: int) -> int:

@@ -56,16 +56,37 @@ def health_pid(server: Server) -> int:
         return int(fresh.get(server.base + "/health", timeout=30).json()["pid"])
 
 
-def start(bundle: Path, tmp: Path, name: str, *flags: str) -> Server:
+def start(bundle: Path, tmp: Path, name: str, *flags: str, wyoming: bool = False) -> Server:
     return Server(bundle, tmp / "voices", tmp / f"{name}.log", "--engine-process", "on", "--api-workers", "2",
-                  *flags)
+                  *flags, wyoming=wyoming)
 
 
 @pytest.fixture(scope="module")
 def server(full_bundle_dir, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("workers")
-    with start(full_bundle_dir, tmp, "serve", "--ws-max-sessions", "1", "--max-streams", "2") as s:
+    with start(full_bundle_dir, tmp, "serve", "--ws-max-sessions", "1", "--max-streams", "2", wyoming=True) as s:
         yield s
+
+
+def test_wyoming_is_served_by_one_worker_on_the_supervisors_socket(server):
+    """The supervisor binds the Wyoming port (open as long as serve is), worker 0 serves it: a synthesis
+    over Wyoming speaks, and only one worker holds the port."""
+    from wyoming.client import AsyncTcpClient
+    from wyoming.tts import Synthesize
+
+    async def speak() -> list[str]:
+        async with AsyncTcpClient("127.0.0.1", server.wyoming_port, connect_timeout=30) as c:
+            await c.write_event(Synthesize(text="Over Wyoming.").event())
+            kinds = []
+            while not kinds or kinds[-1] != "audio-stop":
+                event = await asyncio.wait_for(c.read_event(), 120)
+                assert event is not None and event.type != "error", event
+                kinds.append(event.type)
+            return kinds
+
+    kinds = asyncio.run(speak())
+    assert kinds[0] == "audio-start" and "audio-chunk" in kinds
+    assert sum("API worker 0" in line for line in server.log().splitlines()) >= 1
 
 
 def test_two_workers_answer_on_one_port_and_share_one_core(server):

@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
+from functools import partial
 
 from wyoming.event import Event
-from wyoming.server import AsyncEventHandler, AsyncServer
+from wyoming.server import AsyncEventHandler, AsyncServer, AsyncTcpServer
 
 from .channel import EventChannel
 from .session import SessionCount, WyomingSession
@@ -34,15 +36,32 @@ class Connection(AsyncEventHandler):
                              listener.sessions).serve()
 
 
+class InheritedTcpServer(AsyncTcpServer):
+    """The package's TCP server on a listening socket bound already (by ``mossrt serve --api-workers``'
+    supervisor: connections wait in its backlog while the worker that serves them starts or restarts)."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        host, port = sock.getsockname()[:2]
+        super().__init__(host, port)
+        self.sock = sock
+
+    async def start(self, handler_factory) -> None:
+        self._server = await asyncio.start_server(partial(self._handler_callback, handler_factory), sock=self.sock)
+        await self._server.start_serving()
+
+
 class WyomingListener:
-    def __init__(self, uri: str, service, metrics, version: str):
+    """``uri``'s listener (``sock``: its socket, bound and listening already)."""
+
+    def __init__(self, uri: str, service, metrics, version: str, sock: socket.socket | None = None):
         self.uri, self.service, self.metrics, self.version = uri, service, metrics, version
+        self.sock = sock
         self.sessions = SessionCount(service.settings.wyoming_max_sessions)
         self._server: AsyncServer | None = None
 
     async def start(self) -> None:
         """Listen (a port in use fails the start, as the HTTP listener's does)."""
-        server = AsyncServer.from_uri(self.uri)
+        server = InheritedTcpServer(self.sock) if self.sock is not None else AsyncServer.from_uri(self.uri)
         await server.start(lambda reader, writer: Connection(reader, writer, self))
         self._server = server
         settings = self.service.settings

@@ -90,6 +90,7 @@ class EngineClient:
         self._core_fd = os.pidfd_open(core.pid)
         self.on_death = on_death
         self.snapshot = EngineSnapshot(state="loading")
+        self._known = False             # a state message has come (until then "loading" is a guess)
         self.dead: str | None = None
         self._stopping = False          # stop() was called: the exit that follows is not a death
         self._disconnect = False        # a joined client's stop: the I/O thread ends after sending what is queued
@@ -140,6 +141,12 @@ class EngineClient:
         with self._state_changed:
             self._state_changed.wait_for(lambda: self.dead or self.snapshot.state not in ("loading", "warming"),
                                          timeout)
+        return self.state
+
+    def wait_known(self, timeout: float | None = None) -> str:
+        """Wait for the core's first word on its state (the answer to this client's hello); returns the state."""
+        with self._state_changed:
+            self._state_changed.wait_for(lambda: self.dead or self._known, timeout)
         return self.state
 
     # ------------------------------------------------------------------ calls
@@ -277,6 +284,7 @@ class EngineClient:
                 stream.sink.put(StreamError(value))
         elif kind == "state":
             with self._state_changed:
+                self._known = True
                 self.snapshot = message[2]
                 self._state_changed.notify_all()
 
