@@ -127,13 +127,16 @@ class VoiceRegistry:
     def _rebuild(self) -> None:
         """The index from the directory (the one place that reads every ``meta.json``)."""
         self._scanned_mtime = self._dir_mtime()
-        records = []
+        found = []
         for meta in self.dir.glob("voice_*/meta.json"):
             try:
-                records.append(VoiceRecord(**json.loads(meta.read_text(encoding="utf-8"))))
+                # written once, before its folder is renamed into place: its time orders voices made within
+                # one second (created_at's resolution) as they were made
+                found.append((VoiceRecord(**json.loads(meta.read_text(encoding="utf-8"))), meta.stat().st_mtime_ns))
             except (OSError, ValueError, TypeError):
                 continue   # a damaged entry is skipped, never fatal
-        records.sort(key=lambda r: (r.created_at, r.id))
+        found.sort(key=lambda x: (x[0].created_at, x[1], x[0].id))
+        records = [r for r, _ in found]
         self._by_id = {r.id: r for r in records}
         self._by_name = {}
         for r in records:
@@ -169,13 +172,18 @@ class VoiceRegistry:
     def _insert(self, rec: VoiceRecord) -> None:
         self._by_id[rec.id] = rec
         self._by_name.setdefault(rec.name, rec.id)
-        self._scanned_mtime = self._dir_mtime()       # our own change: no rebuild for it
+        self._stale_after_own_change()
 
     def _remove(self, rec: VoiceRecord) -> None:
         self._by_id.pop(rec.id, None)
         if self._by_name.get(rec.name) == rec.id:
             del self._by_name[rec.name]
-        self._scanned_mtime = self._dir_mtime()
+        self._stale_after_own_change()
+
+    def _stale_after_own_change(self) -> None:
+        # the next lookup rebuilds: the folder's time read after our change would hide another process's
+        # change made between our last build and it (API workers add voices concurrently)
+        self._scanned_mtime = None
 
     def _refresh_if_changed(self) -> bool:
         """Rebuild when another process changed the directory since the last build; whether it did."""

@@ -539,6 +539,13 @@ def test_voice_lookups_use_the_index_and_see_other_processes(tmp_path, monkeypat
     assert reg.find("from another process") == other and len(reg) == 201
     writer.delete(made[0].id)
     assert made[0] not in reg.list() and reg.find(made[0].id) is None and len(reg) == 200
+    # two processes adding in turn (API workers) see each other's voices, in the order they were made (within
+    # one second of created_at: an index rebuilt from disk sorted those by id, unlike the adding process's)
+    mine, theirs = reg.add("mine", codes), writer.add("theirs", codes)
+    assert {mine, theirs} <= set(reg.list()) and {mine, theirs} <= set(writer.list())
+    assert [r.name for r in reg.list()][-2:] == ["mine", "theirs"]      # in the order they were made
+    reg.delete(mine.id)
+    writer.delete(theirs.id)
 
     from engine.errors import VoiceLimitError
     capped = VoiceRegistry(tmp_path, "bundle-x", max_voices=201)
