@@ -166,7 +166,8 @@ class TTSService:
         (the manifest's model, the normalizer's data, the core joined: a second or two) before its app takes
         connections, so that whichever worker a connection reaches answers as the core stands."""
         if self.core_address is not None:
-            self._open_spec() and self._warm_normalizer()
+            if self._open_spec():
+                self._warm_normalizer()
             if self._failed is None:
                 self.engine = EngineClient(self.core_address, self._engine_died)
                 self.engine.wait_known(30)

@@ -109,16 +109,27 @@ class Supervisor:
                 pass
 
     def _wait_workers(self, bound: float) -> None:
-        """Until every worker has exited, at most ``bound`` seconds; then the rest are killed."""
+        """Until every worker has exited, at most ``bound`` seconds (a signal meanwhile is forwarded: they stop
+        at once); then the rest are killed."""
         deadline = time.monotonic() + bound
         while self.workers and time.monotonic() < deadline:
-            ready, _, _ = select.select(list(self.workers), [], [], max(0.0, deadline - time.monotonic()))
-            for fd in ready:
+            ready, _, _ = select.select([self._wake_r, *self.workers], [], [], max(0.0, deadline - time.monotonic()))
+            while self._signals:
+                self._signal_workers(self._signals.pop(0))
+            self._drain_wake(ready)
+            for fd in [fd for fd in ready if fd in self.workers]:
                 self._reap(self.workers[fd])
         for worker in list(self.workers.values()):
             log.warning("API worker %d (pid %d) did not exit in time: killed", worker.index, worker.popen.pid)
             worker.popen.kill()
             self._reap(worker)
+
+    def _drain_wake(self, ready: list[int]) -> None:
+        if self._wake_r in ready:
+            try:
+                os.read(self._wake_r, 512)
+            except BlockingIOError:
+                pass
 
     def _on_signal(self, sig: int, frame) -> None:
         self._signals.append(sig)
@@ -164,7 +175,8 @@ class Supervisor:
                 sig = self._signals.pop(0)
                 log.info("signal %d: the API workers drain, then the engine core stops", sig)
                 self._signal_workers(sig)
-                self._shutting_down(sig)
+                s = self.settings           # each worker drains as one serve does, within this window
+                self._wait_workers(max(s.drain_timeout, s.shutdown_delay) + FLUSH_SECONDS + EXIT_MARGIN_S)
                 return self._status_after_stop(core_fd)
             if core_fd in ready:
                 status = self.core.exit_status()
@@ -183,29 +195,7 @@ class Supervisor:
                 if when <= time.monotonic():
                     del pending[index]
                     self._spawn(index)
-            if self._wake_r in ready:
-                try:
-                    os.read(self._wake_r, 512)
-                except BlockingIOError:
-                    pass
-
-    def _shutting_down(self, sig: int) -> None:
-        """The drain: workers exit within the window (a second signal is forwarded: they stop at once)."""
-        s = self.settings
-        window = max(s.drain_timeout, s.shutdown_delay) + FLUSH_SECONDS + EXIT_MARGIN_S
-        deadline = time.monotonic() + window
-        while self.workers and time.monotonic() < deadline:
-            ready, _, _ = select.select([self._wake_r, *self.workers], [], [], deadline - time.monotonic())
-            while self._signals:
-                self._signal_workers(self._signals.pop(0))
-            for fd in [fd for fd in ready if fd in self.workers]:
-                self._reap(self.workers[fd])
-            if self._wake_r in ready:
-                try:
-                    os.read(self._wake_r, 512)
-                except BlockingIOError:
-                    pass
-        self._wait_workers(0)
+            self._drain_wake(ready)
 
     def _status_after_stop(self, core_fd: int) -> int:
         died = bool(select.select([core_fd], [], [], 0)[0])

@@ -79,9 +79,9 @@ class CoreProcess:
 
 class EngineClient:
     """An API process's connection to the engine core at ``core`` (``CoreProcess`` started it, here or in the
-    process that supervises the API workers). ``owns_core``: this client's ``stop`` stops the core, and its
-    exit status is this process's to read; a worker's client (False) only disconnects: the supervisor stops
-    the core once every worker has drained."""
+    process that supervises the API workers). With ``process`` (the core is this process's child) ``stop``
+    stops the core and its exit status is this process's to read; without (an API worker's client) ``stop``
+    only disconnects: the supervisor stops the core once every worker has drained."""
 
     def __init__(self, core: CoreAddress, on_death: Callable[[str], None] | None = None,
                  process: CoreProcess | None = None) -> None:
@@ -118,10 +118,6 @@ class EngineClient:
         """A new core process for ``config`` (a child of this process) and this process's client of it."""
         process = CoreProcess(config, log_level)
         return cls(process.at, on_death, process)
-
-    @property
-    def owns_core(self) -> bool:
-        return self.process is not None
 
     # ------------------------------------------------------------------ state
     @property
@@ -196,9 +192,6 @@ class EngineClient:
                 self._streams.pop(sid, None)
             raise
         return stream
-
-    def claim_session(self, limit: int) -> bool:
-        return bool(self.call("claim_session", limit))
 
     async def aclaim_session(self, limit: int) -> bool:
         return bool(await self.acall("claim_session", limit))

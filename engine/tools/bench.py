@@ -286,7 +286,8 @@ def bench_streams(model: TTSModel, streams: Sequence[int] = (1, 2, 4, 8, 16), fr
             ticks = [tuple(t) for t in client.call("take_ticks")]
             snap = client.fresh_snapshot()
             assert snap.stats is not None, "a ready core has its stats"
-            bytes_per_stream, steps, depths = snap.stats.bytes_per_stream, -1, -1    # (the core's counters)
+            bytes_per_stream = snap.stats.bytes_per_stream
+            steps = depths = None           # the core keeps its graph-call counters to itself
             client.stop()
         else:
             bytes_per_stream = scheduler.runner.bytes_per_stream()
